@@ -6,7 +6,7 @@ parallelism written once on top of it.
 """
 from ._ext import nccl_version
 from .backends.base import P2POp, Work
-from .distributed import (ProcessGroup, abort_process_group, all_gather, all_gather_into_tensor,
+from .distributed import (ProcessGroup, abort_process_group, flight_record, all_gather, all_gather_into_tensor,
                           all_gather_object, all_reduce, all_to_all, all_to_all_single, barrier, batch_isend_irecv,
                           broadcast, broadcast_object_list, destroy_process_group, gather, get_backend,
                           get_default_group, get_device, get_process_group_ranks, get_rank, get_store,

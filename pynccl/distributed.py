@@ -48,7 +48,7 @@ class ProcessGroup:
         self.timeout_s = timeout_s
         self.backend_name = backend_name
         self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
-        self.rank = backend.rank if isinstance(backend, Backend) else -1
+        self.rank = -1 if isinstance(backend, _Unusable) else backend.rank
         self.world_size = len(self.ranks)
 
     @property
@@ -89,6 +89,7 @@ class _State:
         self.store = None
         self.owns_torch_dist = False
         self.num_groups_created = 0
+        self.check_collectives = False
 
 
 _state = _State()
@@ -116,7 +117,8 @@ def _make_backend(backend: str, rank: int, world_size: int, timeout_s: float, de
 
 
 def init_process_group(backend: str = "nccl", init_method: Optional[str] = "env://", world_size: int = -1,
-                       rank: int = -1, timeout=None, device_id=None, store=None) -> None:
+                       rank: int = -1, timeout=None, device_id=None, store=None,
+                       check_collectives: Optional[bool] = None) -> None:
     """Create the default group over all ranks.
 
     Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
@@ -124,6 +126,8 @@ def init_process_group(backend: str = "nccl", init_method: Optional[str] = "env:
     its rank, world size and store are reused, so scripts that set it up keep working.
     A gloo torch.distributed default group is always present afterwards (it carries the
     CPU-side helpers such as DistributedSampler and object collectives).
+    check_collectives (default: PYNCCL_CHECK_COLLECTIVES=1): compare every collective's
+    signature across ranks through the store first (see collective_check.py).
     """
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"init_process_group: backend must be 'nccl' or 'gloo', got {backend!r}")
@@ -137,11 +141,27 @@ def init_process_group(backend: str = "nccl", init_method: Optional[str] = "env:
     rank, world_size, store, owns = rendezvous.bootstrap(init_method, rank, world_size, timeout_s, store)
     prefix = f"pynccl/{rendezvous.next_generation()}"
     be = _make_backend(backend, rank, world_size, timeout_s, device_id, store, prefix)
-    _state.world = ProcessGroup(be, range(world_size), "world", timeout_s, backend)
     _state.store = store
+    if check_collectives is None:
+        check_collectives = os.environ.get("PYNCCL_CHECK_COLLECTIVES", "0") == "1"
+    _state.check_collectives = check_collectives
+    _state.world = ProcessGroup(_maybe_checked(be, "world"), range(world_size), "world", timeout_s, backend)
     _state.owns_torch_dist = owns
     _state.initialized = True
     _state.groups = [_state.world]
+
+
+def _maybe_checked(backend, name: str):
+    if not _state.check_collectives:
+        return backend
+    from .collective_check import CheckedBackend
+    return CheckedBackend(backend, _state.store, name)
+
+
+def flight_record(group=None) -> List[dict]:
+    """The group's last collectives (oldest first): op, seq, dtype, count, peer, state,
+    enqueue_time_us. Also written as JSON when an op of the group fails or times out."""
+    return _group(group).backend.flight_record()
 
 
 def is_initialized() -> bool:
@@ -223,6 +243,8 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Opti
     if sub is None:
         me = world.rank
         sub = _Unusable(ValueError(f"rank {me} is not a member of group '{name}' (global ranks {ranks})"))
+    else:
+        sub = _maybe_checked(sub, name)
     group = ProcessGroup(sub, ranks, name, timeout_s, world.backend_name)
     _state.groups.append(group)
     return group
@@ -248,7 +270,7 @@ def destroy_process_group(group=None) -> None:
 def _destroy_one(g: ProcessGroup):
     be = g.backend
     g.backend = _Unusable(RuntimeError(f"pynccl: process group '{g.name}' was destroyed"))
-    if isinstance(be, Backend):
+    if not isinstance(be, _Unusable):
         be.destroy()
 
 
@@ -258,7 +280,7 @@ def abort_process_group(group=None) -> None:
     for g in targets:
         be = g.backend
         g.backend = _Unusable(RuntimeError(f"pynccl: process group '{g.name}' was aborted"))
-        if isinstance(be, Backend):
+        if not isinstance(be, _Unusable):
             be.abort()
     if group is None and _state.initialized:
         _state.reset()

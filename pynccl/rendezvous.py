@@ -7,7 +7,9 @@ helpers (DistributedSampler, object collectives) work in a script that only call
 from __future__ import annotations
 
 import datetime
+import errno
 import os
+import socket
 import time
 from typing import Optional, Tuple
 
@@ -85,11 +87,33 @@ def bootstrap(init_method, rank: int, world_size: int, timeout_s: float, store) 
     return rank, world_size, store, True
 
 
+_listen_sockets = []  # keeps the master's bound socket alive as long as its store
+
+
+def _bound_listen_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on MASTER_ADDR only (TCPStore on its own listens on every interface)."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(1024)
+    _listen_sockets.append(sock)
+    return sock
+
+
 def _connect_store(host: str, port: int, world_size: int, rank: int, is_master: bool, timeout_s: float):
     try:
+        kwargs = {}
+        if is_master:
+            kwargs["master_listen_fd"] = _bound_listen_socket(host, port).fileno()
         return tdist.TCPStore(host, port, world_size, is_master,
                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-                              multi_tenant=False)
+                              multi_tenant=False, **kwargs)
+    except OSError as e:
+        if is_master and e.errno == errno.EADDRINUSE:
+            raise ValueError(f"init_process_group: rank {rank} could not host the store on {host}:{port}: the "
+                             f"address is in use (two processes claiming rank 0, or another job on this port)") from e
+        raise
     except Exception as e:  # noqa: BLE001 - re-raised with context
         what = f"host the store on {host}:{port}" if is_master else f"reach the store at {host}:{port}"
         raise CommTimeoutError(f"init_process_group: rank {rank} could not {what} within {timeout_s:.0f}s: {e}") from e
@@ -106,9 +130,14 @@ def _check_unique_rank(store, rank: int, world_size: int, timeout_s: float):
     if arrived > world_size:
         raise ValueError(f"init_process_group: more than world_size={world_size} processes joined the rendezvous "
                          f"(this is process #{arrived}); check WORLD_SIZE on every rank")
-    deadline = time.monotonic() + timeout_s
+    # NOTE: rank 0 hosts the store, so it gives up last: the others can still read who is missing.
+    deadline = time.monotonic() + timeout_s + (1.0 if rank == 0 else 0.0)
     while True:
-        n = store.add(f"pynccl/rdzv{gen}/count", 0)
+        try:
+            n = store.add(f"pynccl/rdzv{gen}/count", 0)
+        except RuntimeError as e:
+            raise CommTimeoutError(f"init_process_group: rank {rank} lost the rendezvous store while waiting "
+                                   f"for {world_size} ranks (rank 0, its host, gave up or died): {e}") from e
         if n == world_size:
             return
         if n > world_size:

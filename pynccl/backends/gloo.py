@@ -14,6 +14,7 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import CommTimeoutError, PyncclError
+from ..flight_recorder import FlightRecorder
 from ..reduce_op import PremulSum, ReduceOp, check_op_for_dtype
 from .base import Backend, Work
 
@@ -28,10 +29,11 @@ _NATIVE_OPS = {ReduceOp.SUM: tdist.ReduceOp.SUM, ReduceOp.PRODUCT: tdist.ReduceO
 class GlooWork(Work):
     """torch Work objects plus what must run once they finish (e.g. AVG's division)."""
 
-    def __init__(self, backend: "GlooBackend", op_name: str, seq: int, works, finish=None):
+    def __init__(self, backend: "GlooBackend", op_name: str, seq: int, works, finish=None, record=None):
         self._backend = backend
         self._op_name = op_name
         self._seq = seq
+        self._record = record
         self._works = [w for w in works if w is not None]
         self._finish = finish
         self._done = False
@@ -40,11 +42,13 @@ class GlooWork(Work):
         if self._done:
             return True
         t = self._backend.timeout_s if timeout is None else timeout
-        with self._backend._translate_errors(self._op_name, self._seq):
+        with self._backend._translate_errors(self._op_name, self._seq, self._record):
             for w in self._works:
                 w.wait(datetime.timedelta(seconds=t))
         if self._finish is not None:
             self._finish()
+        if self._record is not None:
+            self._record["state"] = "completed"
         self._done = True
         return True
 
@@ -67,6 +71,7 @@ class GlooBackend(Backend):
         self.group_name = group_name
         self.seq = 0
         self._destroyed = False
+        self.recorder = FlightRecorder()
 
     @classmethod
     def from_default_group(cls, timeout_s: float) -> "GlooBackend":
@@ -77,7 +82,7 @@ class GlooBackend(Backend):
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
-    def _translate_errors(self, op_name: str, seq: int):
+    def _translate_errors(self, op_name: str, seq: int, record=None):
         try:
             yield
         except (ValueError, TypeError):
@@ -85,9 +90,17 @@ class GlooBackend(Backend):
         except RuntimeError as e:
             msg = str(e)
             where = f"{op_name} (seq {seq}) on group '{self.group_name}' (rank {self.rank} of {self.world_size})"
-            if "timed out" in msg.lower() or "timeout" in msg.lower():
-                raise CommTimeoutError(f"{where} timed out after {self.timeout_s:.1f}s: {msg}") from e
-            raise PyncclError(f"{where} failed: {msg}") from e
+            timed_out = "timed out" in msg.lower() or "timeout" in msg.lower()
+            if record is not None:
+                record["state"] = "timed_out" if timed_out else "failed"
+            path = self.recorder.dump(self.group_name, self.rank, f"{where}: {msg}")
+            if timed_out:
+                raise CommTimeoutError(f"{where} timed out after {self.timeout_s:.1f}s "
+                                       f"(flight record: {path}): {msg}") from e
+            raise PyncclError(f"{where} failed (flight record: {path}): {msg}") from e
+
+    def flight_record(self):
+        return self.recorder.entries()
 
     def _check(self, fn: str, *tensors: torch.Tensor):
         for t in tensors:
@@ -104,17 +117,19 @@ class GlooBackend(Backend):
         if not 0 <= r < self.world_size:
             raise ValueError(f"{fn}: {what}={r} out of range [0, world_size={self.world_size})")
 
-    def _run(self, op_name: str, async_op: bool, start, finish=None):
+    def _run(self, op_name: str, async_op: bool, start, finish=None, tensor=None, peer: int = -1):
         """Run `start()` (returns torch works), then `finish()` once they complete."""
         if self._destroyed:
             raise RuntimeError(f"{op_name}: group '{self.group_name}' was destroyed")
         self.seq += 1
         seq = self.seq
-        with self._translate_errors(op_name, seq):
+        record = self.recorder.record(op_name, seq, str(tensor.dtype) if tensor is not None else None,
+                                      tensor.numel() if tensor is not None else 0, peer)
+        with self._translate_errors(op_name, seq, record):
             works = start()
         if not isinstance(works, (list, tuple)):
             works = [works]
-        work = GlooWork(self, op_name, seq, works, finish)
+        work = GlooWork(self, op_name, seq, works, finish, record)
         if async_op:
             return work
         work.wait()
@@ -137,13 +152,14 @@ class GlooBackend(Backend):
             tensor.mul_(pre)
         finish = (lambda: tensor.div_(post)) if post else None
         return self._run("all_reduce", async_op,
-                         lambda: tdist.all_reduce(tensor, op=top, group=self.pg, async_op=True), finish)
+                         lambda: tdist.all_reduce(tensor, op=top, group=self.pg, async_op=True), finish, tensor)
 
     def broadcast(self, tensor, root, async_op=False):
         self._check("broadcast", tensor)
         self._check_rank("broadcast", "src", root)
         return self._run("broadcast", async_op,
-                         lambda: tdist.broadcast(tensor, group=self.pg, group_src=root, async_op=True))
+                         lambda: tdist.broadcast(tensor, group=self.pg, group_src=root, async_op=True),
+                         tensor=tensor, peer=root)
 
     def reduce(self, tensor, root, op=ReduceOp.SUM, async_op=False):
         self._check("reduce", tensor)
@@ -154,18 +170,19 @@ class GlooBackend(Backend):
         finish = (lambda: tensor.div_(post)) if post and self.rank == root else None
         return self._run("reduce", async_op,
                          lambda: tdist.reduce(tensor, group=self.pg, group_dst=root, op=top, async_op=True),
-                         finish)
+                         finish, tensor, root)
 
     def all_gather(self, output_list, input, async_op=False):
         self._check("all_gather", input, *output_list)
         return self._run("all_gather", async_op,
-                         lambda: tdist.all_gather(output_list, input, group=self.pg, async_op=True))
+                         lambda: tdist.all_gather(output_list, input, group=self.pg, async_op=True), tensor=input)
 
     def all_gather_into_tensor(self, output, input, async_op=False):
         self._check("all_gather_into_tensor", output, input)
         chunks = list(output.view(-1).chunk(self.world_size))
         return self._run("all_gather_into_tensor", async_op,
-                         lambda: tdist.all_gather(chunks, input.reshape(-1), group=self.pg, async_op=True))
+                         lambda: tdist.all_gather(chunks, input.reshape(-1), group=self.pg, async_op=True),
+                         tensor=input)
 
     def _reduce_scatter_flat(self, fn, output, flat_input, op, async_op):
         # gloo has no reduce_scatter: all-reduce a copy, keep this rank's chunk.
@@ -181,7 +198,7 @@ class GlooBackend(Backend):
                 output.div_(post)
 
         return self._run(fn, async_op,
-                         lambda: tdist.all_reduce(work_buf, op=top, group=self.pg, async_op=True), finish)
+                         lambda: tdist.all_reduce(work_buf, op=top, group=self.pg, async_op=True), finish, output)
 
     def reduce_scatter(self, output, input_list, op=ReduceOp.SUM, async_op=False):
         self._check("reduce_scatter", output, *input_list)
@@ -206,7 +223,7 @@ class GlooBackend(Backend):
             if sends[self.rank] is not None and recvs[self.rank] is not None:
                 recvs[self.rank].copy_(sends[self.rank])
             return tdist.batch_isend_irecv(ops) if ops else []
-        return self._run(fn, async_op, start)
+        return self._run(fn, async_op, start, tensor=sends[self.rank])
 
     def all_to_all(self, output_list, input_list, async_op=False):
         self._check("all_to_all", *output_list, *input_list)
@@ -225,28 +242,32 @@ class GlooBackend(Backend):
         self._check_rank("gather", "dst", root)
         return self._run("gather", async_op,
                          lambda: tdist.gather(input, gather_list if self.rank == root else None,
-                                              group=self.pg, group_dst=root, async_op=True))
+                                              group=self.pg, group_dst=root, async_op=True),
+                         tensor=input, peer=root)
 
     def scatter(self, output, scatter_list, root, async_op=False):
         self._check("scatter", output, *(scatter_list or []))
         self._check_rank("scatter", "src", root)
         return self._run("scatter", async_op,
                          lambda: tdist.scatter(output, scatter_list if self.rank == root else None,
-                                               group=self.pg, group_src=root, async_op=True))
+                                               group=self.pg, group_src=root, async_op=True),
+                         tensor=output, peer=root)
 
     def send(self, tensor, peer, async_op=False):
         self._check("send", tensor)
         self._check_rank("send", "dst", peer)
         if peer == self.rank:
             raise ValueError(f"send: dst={peer} is this rank; gloo cannot send to itself")
-        return self._run("send", async_op, lambda: tdist.isend(tensor, group=self.pg, group_dst=peer))
+        return self._run("send", async_op, lambda: tdist.isend(tensor, group=self.pg, group_dst=peer),
+                         tensor=tensor, peer=peer)
 
     def recv(self, tensor, peer, async_op=False):
         self._check("recv", tensor)
         self._check_rank("recv", "src", peer)
         if peer == self.rank:
             raise ValueError(f"recv: src={peer} is this rank; gloo cannot receive from itself")
-        return self._run("recv", async_op, lambda: tdist.irecv(tensor, group=self.pg, group_src=peer))
+        return self._run("recv", async_op, lambda: tdist.irecv(tensor, group=self.pg, group_src=peer),
+                         tensor=tensor, peer=peer)
 
     def batch_isend_irecv(self, ops):
         for is_send, t, peer in ops:

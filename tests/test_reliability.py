@@ -1,0 +1,199 @@
+"""Nothing hangs, nothing is lost: time-outs, dead ranks, mismatch detection, flight recorder,
+rendezvous errors (gloo backend; the NCCL watchdog is tested in test_nccl_single_gpu.py)."""
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+import pynccl
+from pynccl.testing import run_multiprocess
+
+TIMEOUT_S = 3.0
+
+
+def skipped_collective_case(rank, ws):
+    t = torch.ones(4)
+    pynccl.all_reduce(t)
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 4)  # alive but never joins the second all_reduce
+        return "skipped"
+    start = time.monotonic()
+    with pytest.raises(pynccl.CommTimeoutError) as info:
+        pynccl.all_reduce(t)
+    elapsed = time.monotonic() - start
+    msg = str(info.value)
+    assert "all_reduce (seq 2) on group 'world'" in msg, msg
+    assert elapsed < TIMEOUT_S + 10, elapsed
+    # The flight record names the op that never finished, and was written to disk.
+    record = pynccl.flight_record()
+    assert [(e["op"], e["seq"], e["state"]) for e in record[-2:]] == [
+        ("all_reduce", 1, "completed"), ("all_reduce", 2, "timed_out")]
+    assert record[-1]["dtype"] == "torch.float32" and record[-1]["count"] == 4
+    path = msg.split("flight record: ")[1].split(")")[0]
+    with open(path) as f:
+        dumped = json.load(f)
+    assert dumped["entries"][-1]["seq"] == 2 and dumped["rank"] == 0
+    return elapsed
+
+
+def test_skipped_collective_times_out_instead_of_hanging(tmp_path):
+    out = run_multiprocess(skipped_collective_case, 2, timeout=60, init_kwargs={"timeout": TIMEOUT_S},
+                           env={"PYNCCL_FLIGHT_RECORDER_DIR": str(tmp_path)})
+    assert out[1] == "skipped" and out[0] < TIMEOUT_S + 10
+
+
+def killed_rank_case(rank, ws):
+    t = torch.ones(1000)
+    start = None
+    try:
+        for step in range(1000):
+            if step == 3 and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == 3:
+                start = time.monotonic()
+            pynccl.all_reduce(t)
+            t.fill_(1.0)
+    except pynccl.PyncclError as e:  # CommTimeoutError is one too
+        elapsed = time.monotonic() - start
+        assert "all_reduce" in str(e) and "group 'world'" in str(e), str(e)
+        # The process can still exit cleanly after the error.
+        pynccl.destroy_process_group()
+        return elapsed
+    raise AssertionError("training went on after rank 1 was killed")
+
+
+def test_killed_rank_surfaces_on_every_survivor():
+    out = run_multiprocess(killed_rank_case, 3, timeout=60, init_kwargs={"timeout": TIMEOUT_S},
+                           expect_failure_ranks=[1])
+    for r in (0, 2):
+        assert out[r] is not None and out[r] < TIMEOUT_S + 10, out
+
+
+def rendezvous_missing_rank_case(rank, ws):
+    if rank == 2:
+        os._exit(0)  # dies before rendezvous
+    start = time.monotonic()
+    with pytest.raises(pynccl.CommTimeoutError, match=r"ranks \[2\] never arrived"):
+        pynccl.init_process_group(backend="gloo", timeout=TIMEOUT_S)
+    return time.monotonic() - start
+
+
+def test_rank_dead_during_rendezvous_is_named():
+    out = run_multiprocess(rendezvous_missing_rank_case, 3, backend=None, timeout=60, expect_failure_ranks=[2])
+    assert all(t < TIMEOUT_S + 10 for t in out[:2]), out
+
+
+def duplicate_rank_case(rank, ws, claimed):
+    if rank == ws - 1:
+        os.environ["RANK"] = str(claimed)  # the last process claims an existing rank
+    try:
+        pynccl.init_process_group(backend="gloo", timeout=TIMEOUT_S)
+    except (ValueError, pynccl.CommTimeoutError) as e:
+        return str(e)
+    return "initialised"
+
+
+@pytest.mark.parametrize("claimed", [0, 1])
+def test_two_processes_claiming_one_rank(claimed):
+    out = run_multiprocess(duplicate_rank_case, 3, backend=None, timeout=60, args=(claimed,))
+    expected = "address is in use (two processes claiming rank 0" if claimed == 0 else "two processes claim rank 1"
+    assert any(expected in o for o in out), out
+    assert "initialised" not in out, out
+
+
+def wrong_world_size_case(rank, ws):
+    if rank == 2:
+        os.environ["WORLD_SIZE"] = "2"  # a third process joins a world of 2
+        os.environ["RANK"] = "1"
+    try:
+        pynccl.init_process_group(backend="gloo", timeout=TIMEOUT_S)
+    except (ValueError, pynccl.CommTimeoutError) as e:
+        return str(e)
+    pynccl.destroy_process_group()
+    return "initialised"
+
+
+def test_wrong_world_size_is_a_clear_error():
+    out = run_multiprocess(wrong_world_size_case, 3, backend=None, timeout=60)
+    assert any("two processes claim rank 1" in o or "more than world_size" in o or "joined" in o
+               for o in out), out
+
+
+def mismatch_case(rank, ws):
+    t = torch.ones(4 + (rank == 1))
+    with pytest.raises(pynccl.CollectiveMismatchError) as info:
+        pynccl.all_reduce(t)
+    msg = str(info.value)
+    assert "collective #1 on group 'world' differs across ranks in count" in msg, msg
+    assert "rank 0: op=all_reduce, count=4" in msg and "rank 1: op=all_reduce, count=5" in msg, msg
+    # different ops at the same position
+    x = torch.ones(4)
+    with pytest.raises(pynccl.CollectiveMismatchError, match="differs across ranks in op"):
+        pynccl.all_reduce(x) if rank == 0 else pynccl.broadcast(x, src=0)
+    with pytest.raises(pynccl.CollectiveMismatchError, match="in root"):
+        pynccl.broadcast(x, src=rank)
+    with pytest.raises(pynccl.CollectiveMismatchError, match="in dtype"):
+        pynccl.all_reduce(x if rank == 0 else x.double())
+    # matching calls still go through, and their values are right
+    y = torch.full((3,), float(rank))
+    pynccl.all_reduce(y)
+    assert y.tolist() == [1.0] * 3
+    return "ok"
+
+
+def test_collective_mismatch_detected_on_every_rank():
+    out = run_multiprocess(mismatch_case, 2, timeout=60, env={"PYNCCL_CHECK_COLLECTIVES": "1"})
+    assert out == ["ok", "ok"]
+
+
+def check_skip_case(rank, ws):
+    x = torch.ones(2)
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 3)
+        return "slept"
+    with pytest.raises(pynccl.CommTimeoutError, match=r"ranks \[1\] never reached this collective"):
+        pynccl.all_reduce(x)
+    return "ok"
+
+
+def test_collective_check_names_the_missing_rank():
+    out = run_multiprocess(check_skip_case, 2, timeout=60, init_kwargs={"timeout": TIMEOUT_S, "check_collectives": True})
+    assert out == ["ok", "slept"]
+
+
+def flight_ring_case(rank, ws):
+    t = torch.ones(3)
+    for _ in range(100):
+        pynccl.all_reduce(t)
+    pynccl.broadcast(t, src=1)
+    record = pynccl.flight_record()
+    assert len(record) == 64
+    assert [e["seq"] for e in record] == list(range(38, 102))
+    last = record[-1]
+    assert (last["op"], last["peer"], last["state"], last["count"]) == ("broadcast", 1, "completed", 3)
+    assert set(last) == {"op", "seq", "dtype", "count", "peer", "state", "enqueue_time_us"}
+    return "ok"
+
+
+def test_flight_recorder_keeps_the_last_64():
+    assert run_multiprocess(flight_ring_case, 2) == ["ok", "ok"]
+
+
+def store_binding_case(rank, ws):
+    port = int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        # Listening on MASTER_ADDR (127.0.0.1) only: another loopback address is refused.
+        with socket.socket() as s:
+            s.settimeout(2)
+            with pytest.raises(OSError):
+                s.connect(("127.0.0.2", port))
+    pynccl.barrier()
+    return "ok"
+
+
+def test_store_binds_to_master_addr_only():
+    assert run_multiprocess(store_binding_case, 2) == ["ok", "ok"]
