@@ -44,6 +44,7 @@ replays the same kernels (see ddp.py on CUDA graphs).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -145,6 +146,8 @@ class GradBucketer:
         self._ready = [False] * len(self.params)
         self._pending_unused: List[int] = []
         self._order_now: List[int] = []
+        self._stale_error: Optional[List[str]] = None
+        self.used = [False] * len(self.params)     # a gradient arrived since reset_used(), armed or not
         self.rebuild(list(range(len(self.params) - 1, -1, -1)))
 
     # ------------------------------------------------------------------ buckets
@@ -172,17 +175,18 @@ class GradBucketer:
     def register_hooks(self) -> None:
         if self._hooks:
             return
-        for p in self.params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+        for idx, p in enumerate(self.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._hook, idx)))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
 
-    def _hook(self, param: torch.Tensor) -> None:
+    def _hook(self, idx: int, param: torch.Tensor) -> None:
+        self.used[idx] = True
         if self._armed:
-            self.mark_ready(param)
+            self._mark_idx(idx)
 
     # ------------------------------------------------------------------ iteration
     @property
@@ -197,6 +201,9 @@ class GradBucketer:
     def unready_param_names(self) -> List[str]:
         return [self.param_names[i] for i, r in enumerate(self._ready) if not r]
 
+    def reset_used(self) -> None:
+        self.used = [False] * len(self.params)
+
     def prepare_for_backward(self, unused: Iterable[torch.Tensor] = ()) -> None:
         self.check_prior_backward_finished()
         self._ready = [False] * len(self.params)
@@ -209,13 +216,17 @@ class GradBucketer:
         self._armed = True
 
     def disarm(self) -> None:
-        self.check_prior_backward_finished()
+        if self.in_backward:
+            # Reported at the next prepare_for_backward, as torch does (not in a no_sync forward).
+            self._stale_error = self.unready_param_names()
         self._armed = False
         self._started = False
 
     def check_prior_backward_finished(self) -> None:
-        if self._armed and self._started:
-            missing = self.unready_param_names()
+        if self.in_backward:
+            self._stale_error = self.unready_param_names()
+        if self._stale_error is not None:
+            missing, self._stale_error = self._stale_error, None
             self._armed = False
             self._started = False
             raise RuntimeError(
@@ -230,6 +241,9 @@ class GradBucketer:
         idx = self._index_of.get(id(param))
         if idx is None:
             raise ValueError("GradBucketer.mark_ready: tensor is not one of this bucketer's parameters")
+        self._mark_idx(idx)
+
+    def _mark_idx(self, idx: int) -> None:
         if not self._started:
             self._started = True
             pending, self._pending_unused = self._pending_unused, []

@@ -1,0 +1,247 @@
+"""DDP's reduction of gradient buckets: pack (1/N fused) -> comm hook -> unpack, plus unused
+parameters, the one-time bucket rebuild in gradient-ready order, and the broadcasts of module
+state from rank 0. Policy only: when a bucket is ready is grad_buckets.py's business, how bytes
+move is the Backend's (pack/unpack are one CUDA kernel on nccl, torch ops on gloo).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+import torch
+
+from . import comm_hooks
+from .grad_buckets import DEFAULT_FIRST_BUCKET_BYTES, MiB, Bucket, GradBucketer, assign_buckets
+from .reduce_op import ReduceOp
+
+_BROADCAST_CAP_BYTES = 250 * MiB
+
+
+def coalesced_broadcaster(tensors: Sequence[torch.Tensor]) -> Callable:
+    """A function backend -> None that broadcasts `tensors` in place from group rank 0: one
+    collective per dtype group (up to 250 MiB each) into buffers allocated here, once."""
+    groups = []
+    for idxs in assign_buckets(tensors, _BROADCAST_CAP_BYTES, _BROADCAST_CAP_BYTES):
+        ts = [tensors[i] for i in idxs]
+        flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device)
+        groups.append((ts, flat))
+
+    @torch.no_grad()
+    def broadcast(backend) -> None:
+        for ts, flat in groups:
+            # pack/unpack are the fused kernels for floating point; integer buffers (BatchNorm's
+            # num_batches_tracked) are a few bytes and take the plain path.
+            floating = flat.dtype.is_floating_point
+            if backend.rank == 0:
+                if floating:
+                    backend.pack(ts, flat, 1.0)
+                else:
+                    torch.cat([t.reshape(-1) for t in ts], out=flat)
+            backend.broadcast(flat, 0)
+            if backend.rank != 0:
+                if floating:
+                    backend.unpack(flat, ts, 1.0)
+                else:
+                    torch._foreach_copy_(ts, [c.view(t.shape) for c, t in zip(flat.split([t.numel() for t in ts]), ts)])
+    return broadcast
+
+
+def broadcast_from_rank0(backend, tensors: Sequence[torch.Tensor]) -> None:
+    if tensors:
+        coalesced_broadcaster(tensors)(backend)
+
+
+def _flatten_tensors(obj, out: List[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _flatten_tensors(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _flatten_tensors(o, out)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for f in obj.__dataclass_fields__:
+            _flatten_tensors(getattr(obj, f), out)
+
+
+def params_reached(output) -> set:
+    """ids of the leaf tensors the autograd graph of `output` reaches (torch DDP's traversal)."""
+    tensors: List[torch.Tensor] = []
+    _flatten_tensors(output, tensors)
+    reached = {id(t) for t in tensors if t.requires_grad and t.grad_fn is None}
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)   # AccumulateGrad
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return reached
+
+
+class Reducer:
+    """Owns the bucketer of a DDP module and what happens to a ready bucket."""
+
+    def __init__(self, named_params, group, bucket_cap_bytes: int, find_unused: bool, grad_as_view: bool,
+                 static_graph: bool):
+        self.group = group
+        self.backend = group.backend
+        self.scale = 1.0 / group.world_size
+        self.find_unused = find_unused
+        self.grad_as_view = grad_as_view
+        self.static_graph = static_graph
+        # The first bucket is small (1 MiB) so that communication starts early; never above the cap.
+        self.bucketer = GradBucketer([p for _, p in named_params], self._on_bucket_ready, self._on_backward_end,
+                                     bucket_cap_bytes=bucket_cap_bytes,
+                                     first_bucket_cap_bytes=min(DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_bytes),
+                                     param_names={p: n for n, p in named_params})
+        self.bucketer.register_hooks()
+        self.params = self.bucketer.params
+        self.device = self.params[0].device
+        self.hook, self.hook_state = comm_hooks.allreduce_hook, group
+        self.hook_registered = False
+        self.pending: list = []
+        self.rebuilt = False
+        # static_graph: which parameters go unused, learnt in the first iteration (local, global).
+        self.static_unused = None
+        self._locally_unused: List[int] = []
+        self._setup_buckets()
+
+    # ------------------------------------------------------------------ buckets
+    def _setup_buckets(self) -> None:
+        wire_dtype = getattr(self.hook, "wire_dtype", None)
+        last = len(self.bucketer.buckets) - 1
+        for b in self.bucketer.buckets:
+            wire = b.buffer
+            if wire_dtype is not None and wire_dtype != b.dtype:
+                wire = torch.zeros(b.numel, dtype=wire_dtype, device=b.device)
+            b.extra["wire"] = wire
+            b.extra["grad_bucket"] = comm_hooks.GradBucket(b.index, wire, b.params, b.index == last)
+
+    def register_comm_hook(self, state, hook) -> None:
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        if self.hook_registered:
+            raise RuntimeError("register_comm_hook can only be called once.")
+        if self.bucketer.in_backward:
+            raise RuntimeError("register_comm_hook: cannot register a hook during a backward pass")
+        self.hook, self.hook_state, self.hook_registered = hook, state, True
+        self._setup_buckets()
+
+    def _rebuild_buckets(self) -> None:
+        """Once, after the first iteration: re-bucket in the order gradients became ready.
+        Rank 0's order is broadcast so that every rank builds the same buckets."""
+        order = torch.tensor(self.bucketer.ready_order, dtype=torch.int64, device=self.device)
+        self.backend.broadcast(order, 0)
+        self.bucketer.rebuild(order.tolist())
+        self._setup_buckets()
+        if self.grad_as_view:
+            for b in self.bucketer.buckets:
+                for p, v in zip(b.params, b.views()):
+                    if p.grad is not None:
+                        v.copy_(p.grad)
+                        p.grad = v
+        self.rebuilt = True
+
+    # ------------------------------------------------------------------ iteration
+    def prepare_for_forward(self) -> None:
+        self.bucketer.check_prior_backward_finished()
+        may_rebuild = self.static_graph or not self.find_unused
+        if may_rebuild and not self.rebuilt and self.bucketer.ready_order:
+            self._rebuild_buckets()
+
+    def prepare_for_backward(self, output) -> None:
+        if self.static_unused is not None:
+            unused = [self.params[i] for i in self.static_unused[0]]
+        elif self.find_unused or self.static_graph:
+            reached = params_reached(output)
+            unused = [p for p in self.params if id(p) not in reached]
+        else:
+            unused = []
+        unused_ids = {id(p) for p in unused}
+        self._locally_unused = [i for i, p in enumerate(self.params) if id(p) in unused_ids]
+        self.bucketer.prepare_for_backward(unused)
+
+    @torch.no_grad()
+    def _on_bucket_ready(self, b: Bucket) -> None:
+        wire = b.extra["wire"]
+        if self.grad_as_view:
+            views = b.views()
+            for p, v in zip(b.params, views):
+                g = p.grad
+                if g is None:
+                    v.zero_()
+                elif g.data_ptr() != v.data_ptr():
+                    v.copy_(g)
+                    p.grad = v
+            if wire is b.buffer:
+                wire.mul_(self.scale)
+            else:
+                self.backend.pack(views, wire, self.scale)
+        else:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+            self.backend.pack(grads, wire, self.scale)
+        self.pending.append((b, self.hook(self.hook_state, b.extra["grad_bucket"])))
+
+    def _globally_unused(self) -> set:
+        """Indices of parameters no rank used since the last reduction (their grads stay as they
+        are, as in torch). One small all-reduce of a used-map; host sync only where needed."""
+        if self.static_unused is not None:
+            return self.static_unused[1]
+        if not (self.find_unused or self.static_graph):
+            return set()
+        used = torch.tensor(self.bucketer.used, dtype=torch.int32, device=self.device)
+        self.bucketer.reset_used()
+        self.backend.all_reduce(used, ReduceOp.SUM)
+        if not self._locally_unused and not self.static_graph:
+            return set()
+        unused = {i for i, n in enumerate(used.tolist()) if n == 0}
+        if self.static_graph:
+            self.static_unused = (self._locally_unused, unused)
+        return unused
+
+    @torch.no_grad()
+    def _on_backward_end(self) -> None:
+        unused = self._globally_unused()
+        pending, self.pending = self.pending, []
+        for b, handle in pending:
+            reduced = handle.wait()
+            if not isinstance(reduced, torch.Tensor) or reduced.numel() != b.numel:
+                got = reduced.numel() if isinstance(reduced, torch.Tensor) else type(reduced).__name__
+                raise RuntimeError(f"comm hook: wait() must return the reduced bucket ({b.numel} elements), "
+                                   f"got {got} for bucket {b.index}")
+            if unused and any(i in unused for i in b.param_indices):
+                self._write_back_skipping(b, reduced, unused)
+            elif self.grad_as_view:
+                views = b.views()
+                if reduced is not b.buffer:
+                    self.backend.unpack(reduced, views, 1.0)
+                for p, v in zip(b.params, views):
+                    if p.grad is None:
+                        p.grad = v
+            else:
+                grads = []
+                for p in b.params:
+                    if p.grad is None:       # unused here, used elsewhere
+                        p.grad = torch.zeros_like(p)
+                    grads.append(p.grad)
+                self.backend.unpack(reduced, grads, 1.0)
+
+    def _write_back_skipping(self, b: Bucket, reduced: torch.Tensor, unused: set) -> None:
+        """Rare path (some parameter of the bucket went unused on every rank): per tensor."""
+        for i, p, offset, v in zip(b.param_indices, b.params, b.offsets, b.views()):
+            if i in unused:
+                continue
+            src = reduced[offset: offset + p.numel()].view(p.shape)
+            if self.grad_as_view:
+                if reduced is not b.buffer:
+                    v.copy_(src)
+                p.grad = v
+            elif p.grad is None:
+                p.grad = src.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(src)

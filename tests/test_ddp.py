@@ -1,0 +1,375 @@
+"""pynccl.DistributedDataParallel on gloo against torch DDP and a single-process full-batch run:
+parameters after 5 steps of SGD and AdamW, unused / tied / frozen parameters, BatchNorm buffers,
+no_sync accumulation, checkpointing, bucket views, comm hooks, errors; SyncBatchNorm against
+BatchNorm on the full batch; DistributedSampler; the example under torchrun. One process launch
+per world size runs every check (process start costs seconds on two cores)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+import torch.utils.checkpoint as ckpt
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import pynccl
+from pynccl import comm_hooks
+from pynccl.testing import run_multiprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 5
+TINY_BUCKETS_MB = 0.0002                     # ~200 bytes: several buckets even for these small models
+
+
+# ----------------------------------------------------------------------------- models
+class MLP(nn.Module):
+    """Frozen layer, tied weights; `extra` is used on the ranks in `extra_ranks` (None: all);
+    `never` (if with_never) is used nowhere unless `uses_never` is set."""
+
+    def __init__(self, extra_ranks=None, with_never=False, checkpoint=False):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.frozen = nn.Linear(16, 16).requires_grad_(False)
+        self.hidden = nn.Linear(16, 16)
+        self.extra = nn.Linear(16, 16)
+        self.never = nn.Linear(16, 16) if with_never else None
+        self.head = nn.Linear(16, 8)
+        self.tied = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 8, bias=False)
+        self.out.weight = self.tied.weight       # one parameter, two modules
+        self.extra_ranks = extra_ranks
+        self.checkpoint = checkpoint
+        self.rank = 0
+        self.uses_never = False
+
+    def _block(self, h):
+        return torch.tanh(self.hidden(torch.relu(self.frozen(h))))
+
+    def forward(self, x):
+        h = torch.relu(self.embed(x))
+        h = ckpt.checkpoint(self._block, h, use_reentrant=False) if self.checkpoint else self._block(h)
+        if self.extra_ranks is None or self.rank in self.extra_ranks:
+            h = h + self.extra(h)
+        if self.uses_never:
+            h = h + self.never(h)
+        return self.out(self.tied(self.head(h)))
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(3, 6, 3, padding=1)
+        self.bn = nn.BatchNorm1d(6)
+        self.fc = nn.Linear(6 * 5, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def _mlp(**kw):
+    torch.manual_seed(0)
+    return MLP(**kw)
+
+
+def _batches(shape_x, shape_y, n=STEPS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(*shape_x, generator=g), torch.randn(*shape_y, generator=g)) for _ in range(n)]
+
+
+def _opt(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def _train(model, opt, batches, rank, ws, accumulate=1, set_rank=True):
+    """Local batch = this rank's chunk of the global batch, in `accumulate` micro-batches
+    (no_sync on all but the last); ws=1 with a plain model is the full-batch reference."""
+    inner = getattr(model, "module", model)
+    for x, y in batches:
+        xs, ys = x.chunk(ws)[rank], y.chunk(ws)[rank]
+        opt.zero_grad()
+        micro = list(zip(xs.chunk(accumulate), ys.chunk(accumulate)))
+        for i, (mx, my) in enumerate(micro):
+            if set_rank and hasattr(inner, "rank"):
+                inner.rank = rank
+            sync = i == len(micro) - 1 or not hasattr(model, "no_sync")
+            ctx = model.no_sync() if not sync else _nullctx()
+            with ctx:
+                loss = ((model(mx) - my) ** 2).mean() / len(micro)
+                loss.backward()
+        opt.step()
+    return inner
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _max_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a, b))
+
+
+def _assert_params_close(got, expected, what, tol=1e-6):
+    got, expected = list(got), list(expected)
+    assert len(got) == len(expected), what
+    d = _max_diff(got, expected)
+    assert d <= tol, f"{what}: max |diff| {d:.3g} > {tol}"
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_against_torch_and_reference(rank, ws):
+    batches = _batches((6 * ws, 8), (6 * ws, 8))
+    for opt_name in ("sgd", "adamw"):
+        for kw in (dict(), dict(gradient_as_bucket_view=True)):
+            ref = _mlp()
+            _train(ref, _opt(opt_name, ref.parameters()), batches, 0, 1)
+            ours = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB, **kw)
+            assert len(ours.reducer.bucketer.buckets) > 2
+            _train(ours, _opt(opt_name, ours.parameters()), batches, rank, ws)
+            theirs = TorchDDP(_mlp(), **kw)
+            _train(theirs, _opt(opt_name, theirs.parameters()), batches, rank, ws)
+            what = f"{opt_name} {kw}"
+            _assert_params_close(ours.module.parameters(), theirs.module.parameters(), f"{what} vs torch DDP")
+            _assert_params_close(ours.module.parameters(), ref.parameters(), f"{what} vs full batch")
+            assert ours.reducer.rebuilt, "buckets were not rebuilt after the first iteration"
+            assert ours.module.frozen.weight.grad is None
+            if kw:
+                for b in ours.reducer.bucketer.buckets:
+                    for p, v in zip(b.params, b.views()):
+                        assert p.grad.data_ptr() == v.data_ptr(), "grad is not a view of its bucket"
+    return ours, theirs
+
+
+def _check_state_dict_and_broadcast(rank, ws, ours, theirs):
+    assert list(ours.state_dict().keys()) == list(theirs.state_dict().keys())
+    assert all(k.startswith("module.") for k in ours.state_dict())
+    # Rank 0's parameters and buffers win at construction.
+    model = BNNet()
+    with torch.no_grad():
+        for t in list(model.parameters()) + [model.bn.running_mean]:
+            t.fill_(float(rank))
+    ddp = pynccl.DistributedDataParallel(model)
+    assert all(torch.all(t == 0) for t in list(model.parameters()) + [model.bn.running_mean])
+
+
+def _check_buffers_accumulation_checkpoint(rank, ws):
+    batches = _batches((4 * ws, 3, 5), (4 * ws, 4), seed=2)
+
+    def bn_model():
+        torch.manual_seed(3)
+        return BNNet()
+
+    ours = pynccl.DistributedDataParallel(bn_model(), bucket_cap_mb=TINY_BUCKETS_MB)
+    theirs = TorchDDP(bn_model())
+    for m in (ours, theirs):
+        _train(m, _opt("adamw", m.parameters()), batches, rank, ws)
+    _assert_params_close(ours.module.parameters(), theirs.module.parameters(), "BatchNorm params")
+    _assert_params_close(ours.module.buffers(), theirs.module.buffers(), "BatchNorm buffers (broadcast_buffers)")
+    assert ours.module.bn.num_batches_tracked.item() == STEPS
+
+    # no_sync: 2 micro-batches per step; equals torch DDP and the full batch.
+    batches = _batches((8 * ws, 8), (8 * ws, 8), seed=3)
+    ref = _mlp()
+    _train(ref, _opt("sgd", ref.parameters()), batches, 0, 1)
+    for kw in (dict(), dict(gradient_as_bucket_view=True)):
+        ours = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB, **kw)
+        _train(ours, _opt("sgd", ours.parameters()), batches, rank, ws, accumulate=2)
+        theirs = TorchDDP(_mlp(), **kw)
+        _train(theirs, _opt("sgd", theirs.parameters()), batches, rank, ws, accumulate=2)
+        _assert_params_close(ours.module.parameters(), theirs.module.parameters(), f"no_sync {kw} vs torch")
+        _assert_params_close(ours.module.parameters(), ref.parameters(), f"no_sync {kw} vs full batch")
+
+    # Non-reentrant activation checkpointing.
+    ref = _mlp(checkpoint=True)
+    _train(ref, _opt("adamw", ref.parameters()), batches, 0, 1)
+    ours = pynccl.DistributedDataParallel(_mlp(checkpoint=True), bucket_cap_mb=TINY_BUCKETS_MB)
+    _train(ours, _opt("adamw", ours.parameters()), batches, rank, ws)
+    _assert_params_close(ours.module.parameters(), ref.parameters(), "checkpoint vs full batch")
+
+
+def _check_unused(rank, ws):
+    batches = _batches((4 * ws, 8), (4 * ws, 8), seed=4)
+    # `extra` is used on rank 0 only: locally unused elsewhere, globally used.
+    for kw in (dict(find_unused_parameters=True), dict(find_unused_parameters=True, gradient_as_bucket_view=True),
+               dict(static_graph=True)):
+        ours = pynccl.DistributedDataParallel(_mlp(extra_ranks=(0,), with_never=True), bucket_cap_mb=TINY_BUCKETS_MB, **kw)
+        theirs = TorchDDP(_mlp(extra_ranks=(0,), with_never=True), **kw)
+        for m in (ours, theirs):
+            _train(m, _opt("sgd", m.parameters()), batches, rank, ws)
+        _assert_params_close(ours.module.parameters(), theirs.module.parameters(), f"unused {kw} vs torch")
+        for name, p in ours.module.named_parameters():
+            q = dict(theirs.module.named_parameters())[name]
+            assert (p.grad is None) == (q.grad is None), f"{kw}: {name} grad None-ness differs from torch"
+            if p.grad is not None:
+                assert torch.allclose(p.grad, q.grad, atol=1e-6), f"{kw}: {name} grad differs"
+        assert ours.module.never.weight.grad is None
+        assert ours.module.extra.weight.grad is not None        # globally used: reduced grad on every rank
+    if kw.get("static_graph"):
+        assert ours.reducer.static_unused is not None
+
+    # Without find_unused_parameters: a clear error at the next forward, naming the parameters.
+    ddp = pynccl.DistributedDataParallel(_mlp(with_never=True), bucket_cap_mb=TINY_BUCKETS_MB)
+    x = torch.randn(4, 8)
+    ddp(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"(?s)finished reduction in the prior iteration.*"
+                                           r"find_unused_parameters=True.*never\.weight, never\.bias"):
+        ddp(x)
+    ddp.module.uses_never = True
+    ddp(x).sum().backward()                # the error reset the state; all parameters used now
+    ddp(x)
+
+
+def _check_hooks_and_errors(rank, ws):
+    batches = _batches((4 * ws, 8), (4 * ws, 8), seed=5)
+    ref = _mlp()
+    _train(ref, _opt("sgd", ref.parameters()), batches, 0, 1)
+    ours = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB)
+    ours.register_comm_hook(None, comm_hooks.bf16_compress_hook)
+    theirs = TorchDDP(_mlp())
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    theirs.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    for m in (ours, theirs):
+        _train(m, _opt("sgd", m.parameters()), batches, rank, ws)
+    wire = ours.reducer.bucketer.buckets[0].extra["wire"]
+    assert wire.dtype == torch.bfloat16
+    # bf16 has 8 bits of mantissa: 5 SGD steps of lr 0.05 stay within 2e-3 of fp32 and of torch's bf16 hook.
+    _assert_params_close(ours.module.parameters(), ref.parameters(), "bf16 hook vs fp32 full batch", tol=2e-3)
+    _assert_params_close(ours.module.parameters(), theirs.module.parameters(), "bf16 hook vs torch bf16", tol=2e-3)
+
+    # A custom hook: sees the pre-divided bucket, may return a new tensor.
+    seen = []
+
+    def double_hook(state, bucket):
+        # Overlap: the first bucket's reduction starts while backward still produces gradients.
+        bk = ddp.reducer.bucketer
+        seen.append((bucket.index(), bucket.is_last(), bk.in_backward, sum(bk._ready) < len(bk.params)))
+        out = bucket.buffer() * 2
+        work = pynccl.all_reduce(out, group=state, async_op=True)
+        return comm_hooks._Pending(work, out)
+
+    ddp = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB)
+    ddp.register_comm_hook(None, double_hook)
+    x = torch.randn(2 * ws, 8, generator=torch.Generator().manual_seed(9))
+    ddp(x.chunk(ws)[rank]).sum().backward()
+    plain = _mlp()
+    plain(x).sum().backward()            # sum over the full batch = ws * mean of per-rank sums
+    for p, q in zip(ddp.module.parameters(), plain.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, 2 * q.grad / ws, atol=1e-6, rtol=1e-5)
+    assert [s[0] for s in seen] == list(range(len(seen))) and seen[-1][1]
+    assert all(s[2] for s in seen) and seen[0][3], seen
+    with pytest.raises(RuntimeError, match="only be called once"):
+        ddp.register_comm_hook(None, comm_hooks.allreduce_hook)
+
+    with pytest.raises(TypeError, match="pynccl ProcessGroup"):
+        pynccl.DistributedDataParallel(_mlp(), process_group=tdist.group.WORLD)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
+        pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=-1)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        pynccl.DistributedDataParallel(lambda x: x)
+    with pytest.raises(RuntimeError, match="doesn't have any parameter that requires a gradient"):
+        pynccl.DistributedDataParallel(nn.Linear(2, 2).requires_grad_(False))
+    with pytest.raises(ValueError, match="device_ids"):
+        pynccl.DistributedDataParallel(_mlp(), device_ids=[3])
+    odd = nn.Linear(2, 2 + (rank == ws - 1))
+    with pytest.raises(ValueError, match="model differs across ranks"):
+        pynccl.DistributedDataParallel(odd)
+
+
+def _check_sync_batchnorm(rank, ws):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4 * ws, 5, 6, 3, generator=g) * 3 + 10       # a large mean tests the stats' accuracy
+    dy = torch.randn(4 * ws, 5, 6, 3, generator=g)
+    ref = nn.BatchNorm2d(5)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5, generator=g)
+        ref.bias.uniform_(-1, 1, generator=g)
+    sync = pynccl.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(5)))[0]
+    assert isinstance(sync, pynccl.SyncBatchNorm)
+    sync.load_state_dict(ref.state_dict())
+    xr = x.clone().requires_grad_()
+    ref(xr).backward(dy)
+    xs = x.chunk(ws)[rank].clone().requires_grad_()
+    y = sync(xs)
+    y.backward(dy.chunk(ws)[rank])
+    ref_y = nn.functional.batch_norm(x, None, None, ref.weight.detach(), ref.bias.detach(), True)
+    torch.testing.assert_close(y.detach(), ref_y.chunk(ws)[rank], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(xs.grad, xr.grad.chunk(ws)[rank], atol=1e-5, rtol=1e-5)
+    # weight/bias grads are local sums: summed over ranks they are the full batch's.
+    for p, q in ((sync.weight, ref.weight), (sync.bias, ref.bias)):
+        total = p.grad.clone()
+        pynccl.all_reduce(total)
+        torch.testing.assert_close(total, q.grad, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(sync.running_mean, ref.running_mean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sync.running_var, ref.running_var, atol=1e-5, rtol=1e-5)
+    assert sync.num_batches_tracked.item() == 1
+    sync.eval()
+    torch.testing.assert_close(sync(xs.detach()), ref.eval()(x.chunk(ws)[rank]), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="expected 5"):
+        sync(torch.randn(2, 4, 3))
+
+
+def _check_sampler(rank, ws):
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    ds = TensorDataset(torch.arange(10))
+    sampler = DistributedSampler(ds, shuffle=True, seed=3)
+    mine = [int(v) for (batch,) in DataLoader(ds, sampler=sampler, batch_size=2) for v in batch]
+    everyone = [None] * ws
+    pynccl.all_gather_object(everyone, mine)
+    flat = [i for part in everyone for i in part]
+    assert len(mine) == -(-10 // ws) and set(flat) == set(range(10))
+
+
+def _case_torch_first(rank, ws):
+    """The script initialised torch.distributed only: DDP bootstraps pynccl from it."""
+    tdist.init_process_group("gloo", rank=rank, world_size=ws)
+    try:
+        assert not pynccl.is_initialized()
+        ours, theirs = _check_against_torch_and_reference(rank, ws)
+        assert pynccl.is_initialized() and pynccl.get_backend() == "gloo"
+        _check_state_dict_and_broadcast(rank, ws, ours, theirs)
+        _check_buffers_accumulation_checkpoint(rank, ws)
+        _check_unused(rank, ws)
+        _check_hooks_and_errors(rank, ws)
+        _check_sync_batchnorm(rank, ws)
+    finally:
+        pynccl.destroy_process_group()
+        tdist.destroy_process_group()
+
+
+def _case_pynccl_first(rank, ws):
+    """The script called pynccl.init_process_group only (torch DDP rides its gloo default group)."""
+    ours, theirs = _check_against_torch_and_reference(rank, ws)
+    _check_state_dict_and_broadcast(rank, ws, ours, theirs)
+    _check_buffers_accumulation_checkpoint(rank, ws)
+    _check_unused(rank, ws)
+    _check_hooks_and_errors(rank, ws)
+    _check_sync_batchnorm(rank, ws)
+    _check_sampler(rank, ws)
+
+
+def test_ddp_world_size_2_bootstrapped_from_torch_distributed():
+    run_multiprocess(_case_torch_first, 2, backend=None, timeout=120)
+
+
+def test_ddp_world_size_3():
+    run_multiprocess(_case_pynccl_first, 3, backend="gloo", timeout=120)
+
+
+def test_example_runs_under_torchrun():
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""                    # gloo on CPU even on a GPU machine
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           os.path.join(REPO, "examples", "train_ddp.py"), "--epochs", "2", "--samples", "256"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = [float(line.split("loss")[1].split()[0]) for line in proc.stdout.splitlines() if "epoch" in line]
+    assert len(losses) == 2 and losses[-1] < losses[0], proc.stdout
