@@ -1,0 +1,249 @@
+"""Tensor-parallel communication as autograd functions: Megatron's f and g (arXiv:1909.08053 §3)
+and the sequence-parallel pair (arXiv:2205.05198 §4.2). Each op's backward is its conjugate
+collective, so the layers in layers.py are plain compositions of these and F.linear.
+
+Layout: activations are [s, b, h] (sequence first, as Megatron). Sequence parallelism splits
+dim 0, so a rank's shard is one contiguous slab and the all-gather / reduce-scatter write and
+read it in place, with no transpose copies. Tensor parallelism splits the last dim.
+
+At TP size 1 every op returns its input untouched: no collective, no copy.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import torch
+
+from .. import distributed as dist
+from ..reduce_op import ReduceOp
+
+
+def _tp_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the group, in place where x is contiguous (else on a contiguous copy)."""
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """(n, ...) -> (tp * n, ...): rank r's slab lands at rows [r*n, (r+1)*n)."""
+    x = x.contiguous()
+    out = torch.empty((_tp_size(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _check_seq_divisible(what: str, x: torch.Tensor, tp_size: int):
+    if x.dim() == 0 or x.shape[0] % tp_size:
+        raise ValueError(f"{what}: the sequence dim (dim 0 of shape {tuple(x.shape)}; layout [s, b, h]) must be "
+                         f"divisible by the tensor-parallel size ({tp_size})")
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """(s, ...) -> (s / tp, ...): rank r keeps the sum of every rank's rows [r*s/tp, (r+1)*s/tp)."""
+    tp_size = _tp_size(group)
+    _check_seq_divisible("reduce_scatter_to_sequence_parallel_region", x, tp_size)
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // tp_size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def _split_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    tp_size = _tp_size(group)
+    _check_seq_divisible("scatter_to_sequence_parallel_region", x, tp_size)
+    n = x.shape[0] // tp_size
+    return x.narrow(0, dist.get_rank(group) * n, n).clone()
+
+
+def _check_last_divisible(what: str, x: torch.Tensor, tp_size: int):
+    if x.dim() == 0 or x.shape[-1] % tp_size:
+        raise ValueError(f"{what}: the last dim (of shape {tuple(x.shape)}) must be divisible by the "
+                         f"tensor-parallel size ({tp_size})")
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    tp_size = _tp_size(group)
+    _check_last_divisible("scatter_to_tensor_parallel_region", x, tp_size)
+    return x.chunk(tp_size, dim=-1)[dist.get_rank(group)].contiguous()
+
+
+def _all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    """(..., h/tp) -> (..., h), rank order along the last dim."""
+    stacked = _all_gather_dim0(x.unsqueeze(0), group)  # (tp, ..., h/tp)
+    return stacked.movedim(0, -2).reshape(*x.shape[:-1], -1)  # (..., tp, h/tp) -> (..., h)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce backward (entering a column-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        # NOTE: reduces in place. The grad reaching here is the fresh output of the column-parallel
+        # matmul's backward (f's output only feeds that matmul), so nobody else holds it.
+        return _all_reduce_(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward (leaving a row-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group, inplace):
+        return _all_reduce_(x if inplace else x.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    """Keep this rank's slice of the last dim; backward all-gathers it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_last(grad, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """All-gather along the last dim; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    """Keep this rank's slice of the sequence (dim 0); backward all-gathers it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim0(grad, ctx.group), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    """All-gather along the sequence. Backward: reduce-scatter when the gathered tensor feeds a
+    tensor-parallel region (each rank's grad is a partial sum), else just this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group, grad_is_partial):
+        ctx.group = group
+        ctx.grad_is_partial = grad_is_partial
+        return _all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_is_partial:
+            return _reduce_scatter_dim0(grad, ctx.group), None, None
+        return _split_dim0(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    """Reduce-scatter along the sequence (leaving a row-parallel region); backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim0(grad, ctx.group), None
+
+
+class _AllReduceGradsInBackward(torch.autograd.Function):
+    """Identity on replicated parameters; backward all-reduces their grads in one collective.
+
+    A replicated parameter used on a sequence shard (LayerNorm, row-parallel bias under sequence
+    parallelism) gets only this shard's share of its grad; the sum over the TP group is the
+    true grad. Doing the sum inside autograd keeps it right under gradient accumulation, DDP,
+    ZeRO and activation recomputation alike, with nothing for the user to call.
+    """
+
+    @staticmethod
+    def forward(ctx, group, *params):
+        ctx.group = group
+        return params if len(params) > 1 else params[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # NOTE: grads of unused params arrive as zeros (materialize_grads), so every rank
+        # reduces the same sizes.
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=ctx.group)
+        out = [chunk.view_as(g).to(g.dtype) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        return (None, *out)
+
+
+# ----------------------------------------------------------------------------- public functions
+def copy_to_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """f: forward identity, backward all-reduce over `group`."""
+    return x if _tp_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group=None, inplace: bool = False) -> torch.Tensor:
+    """g: forward all-reduce (sum) over `group`, backward identity. `inplace=True` reduces x's
+    own storage (for a fresh matmul output nobody else holds)."""
+    return x if _tp_size(group) == 1 else _ReduceFromRegion.apply(x, group, inplace)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """(..., h) -> (..., h/tp): this rank's slice of the last dim; backward all-gathers."""
+    return x if _tp_size(group) == 1 else _ScatterToRegion.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """(..., h/tp) -> (..., h): all-gather along the last dim; backward keeps this rank's slice."""
+    return x if _tp_size(group) == 1 else _GatherFromRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """(s, b, h) -> (s/tp, b, h): this rank's slice of the sequence; backward all-gathers."""
+    return x if _tp_size(group) == 1 else _ScatterToSequenceRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, grad_is_partial: bool = True) -> torch.Tensor:
+    """(s/tp, b, h) -> (s, b, h). Backward reduce-scatters (`grad_is_partial`, the case when the
+    result feeds a column-parallel layer) or keeps this rank's slice."""
+    return x if _tp_size(group) == 1 else _GatherFromSequenceRegion.apply(x, group, grad_is_partial)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """(s, b, h) -> (s/tp, b, h) summed over `group`; backward all-gathers."""
+    return x if _tp_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+def allreduce_grads_in_backward(params: Sequence[torch.Tensor], group=None) -> Tuple[torch.Tensor, ...]:
+    """Returns `params` unchanged for use in forward; their grads are summed over `group` (one
+    collective for all of them) when backward reaches this point. Use it for every replicated
+    parameter applied to a sequence-parallel shard. None entries pass through."""
+    params = tuple(params)
+    present = [p for p in params if p is not None]
+    if _tp_size(group) == 1 or not present:
+        return params
+    out = _AllReduceGradsInBackward.apply(group, *present)
+    it = iter(out if len(present) > 1 else (out,))
+    return tuple(None if p is None else next(it) for p in params)
