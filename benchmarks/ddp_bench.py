@@ -1,0 +1,317 @@
+"""DDP step time on a GPT-2-small-sized model (124M parameters), in one run: no DDP, torch DDP,
+pynccl DDP eager, and no DDP / pynccl DDP with the whole step captured in a CUDA graph; when each bucket's
+reduction starts within backward and what its collective costs alone (CUDA events); and the
+pack kernel's bandwidth against a device-to-device copy of the same bytes.
+
+    python benchmarks/ddp_bench.py                          # one GPU, world size 1
+    python benchmarks/ddp_bench.py --nproc 4                # 4 GPUs, processes spawned here
+    torchrun --nproc_per_node 8 benchmarks/ddp_bench.py     # or under torchrun
+
+Precision: bf16 autocast over fp32 parameters, gradients, buckets and AdamW (--precision fp32
+for plain fp32). Every mode uses the same AdamW(fused=True, capturable=True) and one fixed
+synthetic batch, so step times differ only by the data-parallel wrapper.
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pynccl  # noqa: E402
+from pynccl import comm_hooks  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- model
+class Block(nn.Module):
+    def __init__(self, d: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.fc_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)                      # 3 x (b, t, d)
+        q, k, v = (z.view(b, t, self.num_heads, d // self.num_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)         # (b, h, t, d/h)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """GPT-2 small: 12 layers, 12 heads, d=768, vocab 50304 (padded), context 1024, tied head."""
+
+    def __init__(self, vocab=50304, ctx=1024, d=768, layers=12, heads=12):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)                                    # (b, t, d)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))                                       # (b, t, vocab)
+
+
+# ----------------------------------------------------------------------------- timing
+def _events_ms(fn, iters):
+    """Median/min/max ms of fn() over `iters` runs, timed with CUDA events."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return times
+
+
+class Trainer:
+    """One mode: model + optimizer + a step function (eager, or a CUDA graph replay)."""
+
+    def __init__(self, mode, args, device, torch_pg, batch):
+        torch.manual_seed(0)
+        model = GPT().to(device)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.ddp = None
+        if mode == "torch DDP":
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index], process_group=torch_pg,
+                                                        gradient_as_bucket_view=args.grad_view)
+        elif mode.startswith("pynccl"):
+            model = self.ddp = pynccl.DistributedDataParallel(model, device_ids=[device.index],
+                                                              gradient_as_bucket_view=args.grad_view)
+            self.profile = None
+            self.ddp.register_comm_hook(None, self._timed_hook)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=True, capturable=True)
+        self.x, self.y = batch
+        self.autocast = args.precision == "bf16"
+        self.graph = None
+        if mode.endswith("+ graph"):
+            self._capture()
+
+    def _timed_hook(self, state, bucket):
+        if self.profile is not None:               # one profiled step: when did this bucket start?
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.profile.append((bucket.index(), ev))
+        return comm_hooks.allreduce_hook(state, bucket)
+
+    def eager_step(self):
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast, cache_enabled=False):
+            logits = self.model(self.x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), self.y.view(-1))
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def _capture(self):
+        # Eager warm-up on a side stream builds, then rebuilds, the buckets (see pynccl/ddp.py).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.eager_step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.opt.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast, cache_enabled=False):
+                logits = self.model(self.x)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), self.y.view(-1))
+            loss.backward()
+            self.opt.step()
+
+    def step(self):
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.eager_step()
+
+    def profile_buckets(self):
+        """One eager step: GPU time from backward's start at which each bucket was handed to its
+        collective, and backward's length (the end includes waiting for and unpacking them)."""
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast, cache_enabled=False):
+            logits = self.model(self.x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), self.y.view(-1))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.profile = []
+        start.record()
+        loss.backward()
+        end.record()
+        torch.cuda.synchronize()
+        ready = {i: start.elapsed_time(ev) for i, ev in self.profile}
+        self.profile = None
+        self.opt.zero_grad(set_to_none=True)
+        return ready, start.elapsed_time(end)
+
+
+def bucket_table(ddp, ready_ms, iters):
+    """Each bucket's all-reduce alone (CUDA events around it, median of `iters`)."""
+    rows = []
+    ws = pynccl.get_world_size()
+    for b in ddp.reducer.bucketer.buckets:
+        wire = b.extra["wire"]
+        times = _events_ms(lambda: pynccl.all_reduce(wire), iters)
+        t = statistics.median(times)
+        nbytes = wire.numel() * wire.element_size()
+        algbw = nbytes / (t * 1e-3) / 1e9
+        rows.append(dict(bucket=b.index, num_params=len(b.params), mbytes=nbytes / 2**20, ready_ms=ready_ms.get(b.index),
+                         allreduce_us=t * 1e3, busbw_gbs=algbw * 2 * (ws - 1) / ws, algbw_gbs=algbw))
+    return rows
+
+
+def pack_vs_copy(ddp, iters):
+    """The pack kernel over every gradient (one launch per bucket) and the same bytes copied
+    device to device in one tensor copy; GB/s counts bytes read + written, as for a copy."""
+    backend = pynccl.get_default_group().backend
+    ws = pynccl.get_world_size()
+    buckets = ddp.reducer.bucketer.buckets
+    grads = [[torch.randn_like(p) for p in b.params] for b in buckets]
+    nbytes = sum(b.buffer.numel() * b.buffer.element_size() for b in buckets)
+    src = torch.randn(nbytes // 4, device=buckets[0].buffer.device)
+    dst = torch.empty_like(src)
+    biggest = max(range(len(buckets)), key=lambda i: buckets[i].numel)
+    big_bytes = buckets[biggest].buffer.numel() * buckets[biggest].buffer.element_size()
+    cases = {   # name: (fn, bytes it packs or copies)
+        "pack (scale 1/world_size), all buckets":
+            (lambda: [backend.pack(g, b.buffer, 1.0 / ws) for g, b in zip(grads, buckets)], nbytes),
+        "pack (scale 0.5), all buckets": (lambda: [backend.pack(g, b.buffer, 0.5) for g, b in zip(grads, buckets)], nbytes),
+        "unpack, all buckets": (lambda: [backend.unpack(b.buffer, g, 1.0) for g, b in zip(grads, buckets)], nbytes),
+        f"pack, bucket {biggest} ({len(buckets[biggest].params)} tensors)":
+            (lambda: backend.pack(grads[biggest], buckets[biggest].buffer, 1.0 / ws), big_bytes),
+        "device-to-device copy, same bytes": (lambda: dst.copy_(src), nbytes),
+    }
+    out = {}
+    for name, (fn, moved) in cases.items():
+        for _ in range(3):
+            fn()
+        t = statistics.median(_events_ms(fn, iters))
+        out[name] = dict(ms=t, gbs=2 * moved / (t * 1e-3) / 1e9)
+    return out
+
+
+# ----------------------------------------------------------------------------- driver
+MODES = ["no DDP", "torch DDP", "pynccl DDP", "no DDP + graph", "pynccl DDP + graph"]
+
+
+def worker(rank, world_size, args):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    if not pynccl.is_initialized():
+        pynccl.init_process_group("nccl", device_id=local_rank)
+    torch_pg = tdist.new_group(backend="nccl")          # torch DDP's own NCCL communicator
+    g = torch.Generator(device="cpu").manual_seed(1 + rank)
+    batch = tuple(torch.randint(0, 50257, (args.batch, args.seq), generator=g).to(device) for _ in range(2))
+    trainers = {m: Trainer(m, args, device, torch_pg, batch) for m in MODES if m not in args.skip}
+    for tr in trainers.values():
+        for _ in range(args.warmup):
+            tr.step()
+    torch.cuda.synchronize()
+    times = {m: [] for m in trainers}
+    for _ in range(args.repeats):                       # interleaved, so drift hits every mode alike
+        for m, tr in trainers.items():
+            times[m].extend(_events_ms(tr.step, args.steps))
+    result = dict(world_size=world_size, device=torch.cuda.get_device_name(device), torch=torch.__version__,
+                  nccl=str(pynccl.nccl_version()), precision=args.precision, batch=args.batch, seq=args.seq,
+                  grad_view=args.grad_view, modes={})
+    for m, ts in times.items():
+        result["modes"][m] = dict(median_ms=statistics.median(ts), min_ms=min(ts), max_ms=max(ts), n=len(ts))
+    eager = trainers.get("pynccl DDP")
+    if eager is not None:
+        result["num_params"] = eager.num_params
+        ready, bwd_ms = eager.profile_buckets()
+        result["backward_ms"] = bwd_ms
+        result["buckets"] = bucket_table(eager.ddp, ready, args.steps)
+        result["pack"] = pack_vs_copy(eager.ddp, args.steps)
+    del trainers
+    gc.collect()
+    torch.cuda.empty_cache()
+    pynccl.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def print_report(r):
+    print(f"# pynccl DDP benchmark: GPT-2 small ({r.get('num_params', 0) / 1e6:.1f}M params), batch {r['batch']}x"
+          f"{r['seq']} tokens per rank, {r['precision']}{' autocast' if r['precision'] == 'bf16' else ''}, "
+          f"world size {r['world_size']}, {r['device']}, torch {r['torch']}, NCCL {r['nccl']}, "
+          f"gradient_as_bucket_view={r['grad_view']}")
+    modes = r["modes"]
+
+    def overhead(m):      # against no DDP run the same way (eager, or captured in a graph)
+        base = modes.get("no DDP + graph" if m.endswith("+ graph") else "no DDP", {}).get("median_ms")
+        return (modes[m]["median_ms"] - base, base) if base else (float("nan"), float("nan"))
+
+    print(f"{'mode':<22}{'median ms':>11}{'min':>9}{'max':>9}{'overhead ms':>13}{'overhead %':>12}")
+    for m, s in modes.items():
+        over, base = overhead(m)
+        print(f"{m:<22}{s['median_ms']:>11.2f}{s['min_ms']:>9.2f}{s['max_ms']:>9.2f}{over:>13.3f}"
+              f"{100 * over / base:>11.2f}%")
+    if "torch DDP" in modes and "pynccl DDP" in modes:
+        t_over = overhead("torch DDP")[0]
+        for m in ("pynccl DDP", "pynccl DDP + graph"):
+            if m in modes:
+                ratio = overhead(m)[0] / t_over if t_over > 0 else float("nan")
+                print(f"# {m} overhead / torch DDP overhead = {ratio:.2f} (target <= 0.5)")
+    if "buckets" in r:
+        print(f"\n# buckets (backward takes {r['backward_ms']:.2f} ms; 'ready at' = GPU time from its start "
+              f"when the bucket was packed and handed to its all-reduce)")
+        print(f"{'bucket':>6}{'params':>8}{'MiB':>9}{'ready at ms':>13}{'all-reduce us':>15}{'algbw GB/s':>12}"
+              f"{'busbw GB/s':>12}")
+        for b in r["buckets"]:
+            ready = f"{b['ready_ms']:.2f}" if b["ready_ms"] is not None else "-"
+            print(f"{b['bucket']:>6}{b['num_params']:>8}{b['mbytes']:>9.2f}{ready:>13}{b['allreduce_us']:>15.1f}"
+                  f"{b['algbw_gbs']:>12.1f}{b['busbw_gbs']:>12.1f}")
+        print("\n# pack kernel vs device-to-device copy (GB/s = bytes read + written per second)")
+        copy = r["pack"]["device-to-device copy, same bytes"]["gbs"]
+        for name, s in r["pack"].items():
+            print(f"{name:<44}{s['ms']:>9.3f} ms{s['gbs']:>10.0f} GB/s{100 * s['gbs'] / copy:>8.1f}% of copy")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per mode per repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--grad-view", action="store_true", help="gradient_as_bucket_view=True for both DDPs")
+    p.add_argument("--skip", nargs="*", default=[], choices=MODES, help="modes to leave out")
+    p.add_argument("--nproc", type=int, default=1, help="processes to spawn (one GPU each) when not under torchrun")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("ddp_bench: needs CUDA GPUs (pynccl DDP on gloo is exercised by tests/test_ddp.py)")
+    if "RANK" in os.environ:                            # torchrun
+        result = worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    else:
+        from pynccl.testing import run_multiprocess
+        result = run_multiprocess(worker, args.nproc, backend=None, start_method="spawn", timeout=1800,
+                                  args=(args,))[0]
+    if result is not None:
+        print_report(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

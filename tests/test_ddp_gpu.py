@@ -1,0 +1,164 @@
+"""pynccl DDP on NCCL: equal to torch DDP (on torch's own NCCL group) at world size 1 on one GPU
+and at world size 2+ where there are several GPUs; a whole training step (forward, backward,
+bucketed all-reduce, capturable AdamW) captured in a CUDA graph and replayed equals eager."""
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import pynccl
+from pynccl import comm_hooks
+from pynccl.testing import run_multiprocess
+
+STEPS = 6
+BUCKET_MB = 0.05            # several buckets for this model
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(32, 128)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 256), nn.GELU(),
+                                                  nn.Linear(256, 128)) for _ in range(3))
+        self.head = nn.Linear(128, 16)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.head(h)
+
+
+def _build(device, wrap, **opt_kw):
+    torch.manual_seed(0)
+    model = wrap(Net().to(device))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, **opt_kw)
+
+
+def _data(rank, ws, device, steps=STEPS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x, y = torch.randn(8 * ws, 32, generator=g), torch.randn(8 * ws, 16, generator=g)
+        out.append((x.chunk(ws)[rank].to(device), y.chunk(ws)[rank].to(device)))
+    return out
+
+
+def _step(model, opt, x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _params(model):
+    return [p.detach().clone() for p in getattr(model, "module", model).parameters()]
+
+
+def _assert_close(a, b, what, tol=1e-6):
+    d = max((p - q).abs().max().item() for p, q in zip(a, b))
+    assert d <= tol, f"{what}: max |diff| {d:.3g} > {tol}"
+
+
+def _against_torch_ddp(rank, ws):
+    device = pynccl.get_device()
+    # pynccl's torch.distributed default group is gloo; torch DDP gets its own NCCL group.
+    torch_pg = tdist.new_group(backend="nccl")
+    data = _data(rank, ws, device)
+    for kw in (dict(), dict(gradient_as_bucket_view=True)):
+        ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(
+            m, device_ids=[device.index], bucket_cap_mb=BUCKET_MB, **kw))
+        theirs, opt_theirs = _build(device, lambda m: TorchDDP(m, device_ids=[device.index], process_group=torch_pg,
+                                                               bucket_cap_mb=BUCKET_MB, **kw))
+        assert len(ours.reducer.bucketer.buckets) > 2
+        for x, y in data:
+            _step(ours, opt_ours, x, y)
+            _step(theirs, opt_theirs, x, y)
+        torch.cuda.synchronize()
+        _assert_close(_params(ours), _params(theirs), f"nccl {kw} vs torch DDP")
+        assert ours.reducer.rebuilt
+
+    ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(m, bucket_cap_mb=BUCKET_MB))
+    ours.register_comm_hook(None, comm_hooks.bf16_compress_hook)
+    ref, opt_ref = _build(device, lambda m: TorchDDP(m, process_group=torch_pg, bucket_cap_mb=BUCKET_MB))
+    for x, y in data:
+        _step(ours, opt_ours, x, y)
+        _step(ref, opt_ref, x, y)
+    _assert_close(_params(ours), _params(ref), "bf16 hook vs fp32 torch DDP", tol=2e-3)
+
+    with pytest.raises(ValueError, match="communicates on cuda"):
+        pynccl.DistributedDataParallel(Net())                  # a CPU module on an NCCL group
+    return True
+
+
+def _graph_vs_eager(rank, ws, static_graph):
+    device = pynccl.get_device()
+    data = _data(rank, ws, device, steps=8, seed=1)
+
+    def wrap(m):
+        return pynccl.DistributedDataParallel(m, device_ids=[device.index], bucket_cap_mb=BUCKET_MB,
+                                              static_graph=static_graph)
+
+    eager, opt_eager = _build(device, wrap, capturable=True)
+    for x, y in data:
+        _step(eager, opt_eager, x, y)
+
+    graphed, opt_graphed = _build(device, wrap, capturable=True)
+    # Eager warm-up on a side stream (as torch's docs do): builds, then rebuilds the buckets.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x, y in data[:3]:
+            _step(graphed, opt_graphed, x, y)
+    torch.cuda.current_stream().wait_stream(side)
+    assert graphed.reducer.rebuilt
+    static_x, static_y = data[3][0].clone(), data[3][1].clone()
+    opt_graphed.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = ((graphed(static_x) - static_y) ** 2).mean()
+        loss.backward()
+        opt_graphed.step()
+    for x, y in data[3:]:                  # capture ran nothing: replay every remaining step
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(_params(graphed), _params(eager), f"CUDA graph (static_graph={static_graph}) vs eager")
+    return True
+
+
+def _graph_cases(rank, ws):
+    return _graph_vs_eager(rank, ws, False) and _graph_vs_eager(rank, ws, True)
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_ddp_nccl_one_gpu_equals_torch_ddp():
+    assert run_multiprocess(_against_torch_ddp, 1, backend="nccl", start_method="spawn", timeout=300) == [True]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_ddp_cuda_graph_step_equals_eager():
+    assert run_multiprocess(_graph_cases, 1, backend="nccl", start_method="spawn", timeout=300) == [True]
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_ddp_nccl_multi_gpu_equals_torch_ddp():
+    n = min(torch.cuda.device_count(), 4)
+    assert run_multiprocess(_against_torch_ddp, n, backend="nccl", start_method="spawn", timeout=300) == [True] * n
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_ddp_cuda_graph_multi_gpu():
+    n = min(torch.cuda.device_count(), 4)
+    assert run_multiprocess(_graph_cases, n, backend="nccl", start_method="spawn", timeout=300) == [True] * n
