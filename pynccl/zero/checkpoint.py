@@ -1,0 +1,206 @@
+"""Sharded checkpoints: each rank writes only its shards and its optimizer state.
+
+Crash safety: every rank writes a temporary file in the checkpoint directory and fsyncs it;
+only when all ranks report success does each os.replace its file over the old one (then
+fsyncs the directory). A crash or error while writing therefore leaves the previous
+checkpoint whole. Each save carries a token chosen by the first rank; load refuses a set of
+files whose tokens differ (a crash between two ranks' renames would otherwise mix saves).
+
+Loading at the same world size and layout copies the shards back; from any other world
+size or stage, every rank reads all files, rebuilds the full state dicts and cuts its own
+slices (resharding), via state_dict.py.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import uuid
+from typing import List, Optional
+
+import torch
+
+from .. import distributed as dist
+from ..reduce_op import ReduceOp
+from . import state_dict as sd
+from .layout import FlatLayout
+from .params import named_buffers_all
+
+FORMAT = "pynccl.zero.sharded/1"
+_FILE_RE = re.compile(r"rank(\d+)-of-(\d+)\.pt$")
+
+
+def shard_file(path: str, rank: int, world_size: int) -> str:
+    return os.path.join(path, f"rank{rank:05d}-of-{world_size:05d}.pt")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_temp(obj, final_path: str) -> str:
+    """torch.save `obj` to a temporary file beside `final_path`, fsynced; returns its name."""
+    tmp = f"{final_path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return tmp
+
+
+def commit(tmp: str, final_path: str) -> None:
+    os.replace(tmp, final_path)
+    _fsync_dir(os.path.dirname(os.path.abspath(final_path)))
+
+
+def atomic_save(obj, path: str) -> None:
+    """torch.save that never leaves a half-written `path` (temp file, fsync, os.replace)."""
+    commit(write_temp(obj, path), path)
+
+
+def _agree(model, ok: bool) -> bool:
+    """True on every rank iff `ok` is true on every rank (collective)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=model.device)
+    dist.all_reduce(flag, op=ReduceOp.MIN, group=model.process_group)
+    return bool(flag.item())
+
+
+def _shard_positions(model, optimizer) -> List[int]:
+    return [u.index for units in sd._shard_units(model, optimizer) for u in units]
+
+
+def save_sharded(model, path: str, optimizer=None) -> None:
+    g = model.process_group
+    token = [uuid.uuid4().hex if g.rank == 0 else None]
+    dist.broadcast_object_list(token, src=g.ranks[0], group=g)
+    final = shard_file(path, g.rank, g.world_size)
+    tmp, error = None, None
+    try:
+        os.makedirs(path, exist_ok=True)
+        payload = {
+            "format": FORMAT, "token": token[0], "rank": g.rank, "world_size": g.world_size, "stage": model.stage,
+            "units": [u.layout.metadata() for u in model.units],
+            "shards": [u.shard.detach().cpu() for u in model.units],
+            "param_names": [info.names for info in model._param_infos],
+            "frozen": {info.name: info.frozen_master.cpu() for info in model._param_infos
+                       if info.frozen_master is not None},
+            "buffers": {name: b.detach().cpu() for name, b in named_buffers_all(model.module)},
+            "optimizer": None if optimizer is None else _to_cpu(optimizer.state_dict()),
+            "optimizer_units": None if optimizer is None else _shard_positions(model, optimizer),
+        }
+        tmp = write_temp(payload, final)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the vote below
+        error = e
+    if not _agree(model, error is None):
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+        msg = f"save_sharded: writing {path} failed on some rank; the previous checkpoint there is intact"
+        raise RuntimeError(msg + (f" (this rank: {error!r})" if error else "")) from error
+    commit(tmp, final)
+    dist.barrier(group=g)
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def _read(file: str) -> dict:
+    payload = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"load_sharded: {file} is not a pynccl.zero sharded checkpoint")
+    return payload
+
+
+def _saved_files(path: str) -> List[str]:
+    found = {}
+    for f in glob.glob(os.path.join(path, "rank*-of-*.pt")):
+        m = _FILE_RE.search(os.path.basename(f))
+        if m:
+            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = f
+    if len(found) != 1:
+        raise FileNotFoundError(f"load_sharded: expected the files of one sharded checkpoint in {path}, found "
+                                f"world sizes {sorted(found) or 'none'}")
+    (ws, files), = found.items()
+    if sorted(files) != list(range(ws)):
+        raise FileNotFoundError(f"load_sharded: {path} holds ranks {sorted(files)} of a {ws}-rank checkpoint")
+    return [files[r] for r in range(ws)]
+
+
+def _check_tokens(tokens, path) -> None:
+    if len(set(tokens)) != 1:
+        raise ValueError(f"load_sharded: the rank files in {path} come from different saves (tokens {tokens}); "
+                         f"a save was interrupted between renames")
+
+
+def load_sharded(model, path: str, optimizer=None) -> None:
+    g = model.process_group
+    mine = shard_file(path, g.rank, g.world_size)
+    payload = _read(mine) if os.path.exists(mine) else None
+    same = (payload is not None and payload["world_size"] == g.world_size
+            and payload["units"] == [u.layout.metadata() for u in model.units]
+            and (optimizer is None or payload["optimizer_units"] == _shard_positions(model, optimizer)))
+    if _agree(model, same):
+        tokens = [None] * g.world_size
+        dist.all_gather_object(tokens, payload["token"], group=g)
+        _check_tokens(tokens, path)
+        with torch.no_grad():
+            for unit, shard in zip(model.units, payload["shards"]):
+                unit.shard.detach().copy_(shard)
+            for info in model._param_infos:
+                if info.frozen_master is not None:
+                    info.frozen_master.copy_(payload["frozen"][info.name])
+            for name, buf in named_buffers_all(model.module):
+                buf.copy_(payload["buffers"][name])
+        if optimizer is not None:
+            if payload["optimizer"] is None:
+                raise ValueError(f"load_sharded: {mine} was saved without optimizer state")
+            optimizer.load_state_dict(payload["optimizer"])
+        return
+    # Different world size or layout: rebuild the full state from every rank's file.
+    payloads = [_read(f) for f in _saved_files(path)]
+    _check_tokens([p["token"] for p in payloads], path)
+    model_sd, optim_sd = consolidate(payloads)
+    if optimizer is not None and optim_sd is None:
+        raise ValueError(f"load_sharded: {path} was saved without optimizer state")
+    sd.load_full_state_dict(model, model_sd, optim_sd if optimizer is not None else None, optimizer)
+
+
+def consolidate(payloads: List[dict]):
+    """(model state dict, optimizer state dict or None) of a whole sharded checkpoint."""
+    p0 = payloads[0]
+    layouts = [FlatLayout.from_metadata(m) for m in p0["units"]]
+    params = {}
+    for u_idx, layout in enumerate(layouts):
+        params.update(sd.split_flat(layout, torch.cat([p["shards"][u_idx] for p in payloads])))
+    model_sd = {}
+    for index, names in enumerate(p0["param_names"]):     # index: position in module.parameters()
+        t = params[index] if index in params else p0["frozen"][names[0]]
+        for n in names:
+            model_sd[n] = t
+    model_sd.update(p0["buffers"])
+    if p0["optimizer"] is None:
+        return model_sd, None
+    units_of_pos = p0["optimizer_units"]
+    state = {}
+    for pos, u_idx in enumerate(units_of_pos):
+        per_rank = [p["optimizer"]["state"].get(pos, {}) for p in payloads]
+        full_of = lambda key, v, pr=per_rank: torch.cat([st[key] for st in pr])  # noqa: E731
+        state.update(sd.unflatten_state(layouts[u_idx], per_rank[0], full_of))
+    groups_layouts = [[layouts[units_of_pos[pos]] for pos in g["params"]] for g in p0["optimizer"]["param_groups"]]
+    groups = sd.full_groups(p0["optimizer"]["param_groups"], groups_layouts)
+    return model_sd, {"state": {k: state[k] for k in sorted(state) if state[k]}, "param_groups": groups}

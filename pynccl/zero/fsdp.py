@@ -1,0 +1,180 @@
+"""FullyShardedDataParallel: ZeRO stages 1-3 behind one nn.Module wrapper, used with a plain
+torch optimizer and an ordinary training loop:
+
+    model = pynccl.FullyShardedDataParallel(net, stage=3, mixed_precision=MixedPrecision(torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # state for this rank's shards only
+    loss = model(x).loss; loss.backward(); model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+
+`parameters()` are this rank's flat fp32 shards (one per unit), so the optimizer's state
+is sharded. That is exact for element-wise optimizers (SGD with or without momentum, Adam,
+AdamW, Adamax, NAdam, RAdam, Adagrad, RMSprop, Adadelta, ASGD): each element's update only
+reads that element's gradient and state. Optimizers that look at a whole tensor (LAMB and
+LARS trust ratios, Adafactor's factored moments, Shampoo/SOAP/Muon preconditioners, LBFGS)
+see flat shards instead of the original tensors and are NOT exact.
+
+Sharding is by wrapper object: the wrapped module's parameters become plain tensors (views
+of gathered buffers), its buffers stay as they are. Parameters with requires_grad=False
+are kept whole on every rank (not sharded, not in parameters()).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from .. import distributed as dist
+from ..distributed import ProcessGroup
+from . import checkpoint, clip
+from . import state_dict as _state_dict
+from .mixed_precision import MixedPrecision, cast_inputs, check_policy
+from .params import collect_params, detach_from_modules, install, named_buffers_all
+from .stage3 import ShardedParamsRuntime
+from .stage12 import ReplicatedParamsRuntime
+from .wrap import WrapSpec, select_unit_modules
+
+MiB = 1024 * 1024
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-sharded data parallelism; see the module docstring.
+
+    stage: 1 (optimizer state sharded), 2 (+ gradients reduce-scattered in buckets during
+    backward), 3 (+ parameters sharded, gathered per unit). process_group: a pynccl group
+    (default: the default group). bucket_cap_mb: gradient bucket size of stages 1/2.
+    wrap_modules (stage 3): None/"auto", module classes, submodules, or a predicate.
+    sync_module_states: start from rank 0's parameters and buffers.
+    """
+
+    def __init__(self, module: nn.Module, stage: int = 1, process_group: Optional[ProcessGroup] = None,
+                 mixed_precision: Optional[MixedPrecision] = None, bucket_cap_mb: float = 25,
+                 wrap_modules: WrapSpec = None, sync_module_states: bool = True):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FullyShardedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError("FullyShardedDataParallel: the module is already wrapped; nesting is not supported")
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise ValueError(f"FullyShardedDataParallel: stage must be 1, 2 or 3, got {stage!r}")
+        if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
+            raise ValueError(f"FullyShardedDataParallel: bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        if wrap_modules is not None and stage != 3:
+            raise ValueError(f"FullyShardedDataParallel: wrap_modules only applies to stage 3, got stage={stage}")
+        self.policy = check_policy(mixed_precision)
+        self.process_group = dist.get_default_group() if process_group is None else process_group
+        if not isinstance(self.process_group, ProcessGroup):
+            raise TypeError(f"FullyShardedDataParallel: process_group must be a pynccl ProcessGroup or None, "
+                            f"got {type(process_group).__name__}")
+        self.stage = stage
+        self.device = self.process_group.backend.device
+        module.to(self.device)
+        self.module = module
+        self._sync_grads = True
+
+        unit_modules = select_unit_modules(module, wrap_modules) if stage == 3 else []
+        self._param_infos, tensors = collect_params(module)
+        if not any(i.requires_grad for i in self._param_infos):
+            raise ValueError("FullyShardedDataParallel: the module has no parameter that requires grad")
+        detach_from_modules(self._param_infos)
+        self._keep_frozen(tensors, sync_module_states)
+        if sync_module_states and self.process_group.world_size > 1:
+            with torch.no_grad():
+                for _, buf in named_buffers_all(module):
+                    dist.broadcast(buf, src=self.process_group.ranks[0], group=self.process_group)
+        if stage == 3:
+            self._runtime = ShardedParamsRuntime(module, unit_modules, self._param_infos, tensors,
+                                                 self.process_group, self.policy, sync_module_states)
+        else:
+            self._runtime = ReplicatedParamsRuntime(stage, self._param_infos, tensors, self.process_group,
+                                                    self.policy, int(bucket_cap_mb * MiB), sync_module_states)
+        del tensors
+        self.flat_shards = nn.ParameterList([u.shard for u in self._runtime.units])
+
+    def _keep_frozen(self, tensors: List[torch.Tensor], sync: bool) -> None:
+        """requires_grad=False parameters stay whole on every rank, cast to the compute dtype."""
+        for info, t in zip(self._param_infos, tensors):
+            if info.requires_grad:
+                continue
+            master = t.detach()
+            if sync and self.process_group.world_size > 1:
+                dist.broadcast(master, src=self.process_group.ranks[0], group=self.process_group)
+            info.frozen_master = master
+            dtype = self.policy.param_dtype
+            install(info, master.to(dtype) if dtype is not None and master.is_floating_point() else master)
+
+    @property
+    def units(self):
+        """The sharded units (flat layouts, shards, buffers), in parameters() order."""
+        return self._runtime.units
+
+    # ------------------------------------------------------------------ training
+    def forward(self, *args, **kwargs):
+        args, kwargs = cast_inputs(self.policy, args, kwargs)
+        rt = self._runtime
+        if self.stage != 3:
+            rt.pre_forward(self._sync_grads)
+            return self.module(*args, **kwargs)
+        rt.pre_root_forward(self._sync_grads)
+        with torch.autograd.graph.saved_tensors_hooks(rt.pack, rt.unpack):
+            out = self.module(*args, **kwargs)
+        rt.post_root_forward()
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation without communication: backward passes of forwards run inside
+        this context keep their gradients unreduced (full size, compute dtype); the first
+        backward outside it reduces the sum into the shards."""
+        previous, self._sync_grads = self._sync_grads, False
+        try:
+            yield
+        finally:
+            self._sync_grads = previous
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every shard's gradient so that the norm over all ranks' shards is at most
+        max_norm; returns that total norm (as torch.nn.utils.clip_grad_norm_ does). Collective."""
+        return clip.clip_grad_norm_(self.flat_shards, max_norm, norm_type, self.process_group)
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state_dict(self, rank0_only: bool = False) -> dict:
+        """Original names -> full tensors (master dtype, CPU): loads into the unwrapped model. Collective."""
+        return _state_dict.full_state_dict(self, rank0_only)
+
+    def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict:
+        """torch.optim state dict keyed by the original module.parameters() positions. Collective."""
+        return _state_dict.full_optim_state_dict(self, optimizer, rank0_only)
+
+    def load_full_state_dict(self, state_dict: Optional[dict] = None, optim_state_dict: Optional[dict] = None,
+                             optimizer: Optional[torch.optim.Optimizer] = None, strict: bool = True) -> None:
+        """Load full (consolidated or plain-model) state dicts, at any world size and stage."""
+        _state_dict.load_full_state_dict(self, state_dict, optim_state_dict, optimizer, strict)
+
+    def save_sharded(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Each rank writes its shards (and optimizer state) atomically under directory `path`."""
+        checkpoint.save_sharded(self, path, optimizer)
+
+    def load_sharded(self, path: str, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Load save_sharded's files; from another world size or stage, reshard through full state."""
+        checkpoint.load_sharded(self, path, optimizer)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The full state dict (collective), like torch FSDP's default FULL_STATE_DICT."""
+        full = self.full_state_dict()
+        if destination is None:
+            return type(full)((prefix + k, v) for k, v in full.items())
+        for k, v in full.items():
+            destination[prefix + k] = v
+        return destination
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        self.load_full_state_dict(state_dict, strict=strict)
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+    # ------------------------------------------------------------------ introspection
+    def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+        """Bytes this rank holds now in parameters, gradients and optimizer state, counted
+        from the distinct tensor storages (what ZeRO's memory formulas count)."""
+        from .memory import held_bytes
+        return held_bytes(self, optimizer)

@@ -1,0 +1,126 @@
+"""ZeRO stages 1 and 2: every rank keeps the full parameters (compute dtype) for forward and
+backward; the optimizer sees only flat master shards, so its state is sharded.
+
+One sharded unit per GradBucketer bucket (the buckets and gradient-ready hooks DDP uses), so
+a bucket's gradients reduce-scatter straight into that unit's shard. Stage 2 starts each
+bucket's reduce-scatter as soon as backward hands it out and frees the bucket's full
+gradients, overlapping communication with the rest of backward; stage 1 reduces every
+bucket after backward. At most MAX_IN_FLIGHT reduce buffers exist at a time.
+
+Updated shards are all-gathered lazily at the start of the next forward, when a shard's
+version counter says the optimizer (or a checkpoint load) changed it: this works with any
+optimizer object without registering hooks on it, costs nothing when forward runs without a
+step in between (evaluation, gradient accumulation), and lets a step skip the gather when
+it is the last one.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from ..grad_buckets import DEFAULT_FIRST_BUCKET_BYTES, GradBucketer
+from .flat_unit import PendingReduce, ShardedUnit
+from .layout import FlatLayout
+from .params import ParamInfo, install
+
+MAX_IN_FLIGHT = 2
+
+
+class ReplicatedParamsRuntime:
+    """Owns the units, the full-parameter leaves the module computes with, and the bucketer."""
+
+    def __init__(self, stage: int, infos: List[ParamInfo], tensors: List[torch.Tensor], group, policy,
+                 bucket_cap_bytes: int, sync_module_states: bool):
+        self.stage = stage
+        trainable = [(info, t) for info, t in zip(infos, tensors) if info.requires_grad]
+        # Leaves the module computes with; their memory is pointed into a unit's flat buffer below
+        # (storage resized to 0 until then, so bucketing allocates nothing extra for them).
+        leaves = []
+        for info, t in trainable:
+            leaf = torch.empty(t.shape, dtype=policy.param_dtype or t.dtype, device=t.device, requires_grad=True)
+            leaf.untyped_storage().resize_(0)
+            leaves.append(leaf)
+        self.bucketer = GradBucketer(
+            leaves, self._on_bucket_ready, self._on_backward_end, bucket_cap_bytes=bucket_cap_bytes,
+            first_bucket_cap_bytes=min(DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_bytes),
+            param_names={leaf: info.name for leaf, (info, _) in zip(leaves, trainable)}, pad_to=group.world_size)
+        self.units: List[ShardedUnit] = []
+        self.unit_leaves: List[List[torch.Tensor]] = []
+        for bucket in self.bucketer.buckets:
+            # NOTE: units own their buffers; the bucket's own flat buffer is never used here.
+            bucket.buffer = bucket.buffer.new_empty(0)
+            members = [trainable[i] for i in bucket.param_indices]
+            layout = FlatLayout([info.name for info, _ in members], [t.shape for _, t in members],
+                                [info.index for info, _ in members], group.world_size)
+            unit = ShardedUnit(len(self.units), layout, [t for _, t in members], group, policy.param_dtype,
+                               policy.reduce_dtype, persistent=True, sync_from_first_rank=sync_module_states)
+            unit_leaves = [leaves[i] for i in bucket.param_indices]
+            with torch.no_grad():
+                for slot_idx, (leaf, view, (info, _)) in enumerate(zip(unit_leaves, layout.views(unit.full), members)):
+                    leaf.data = view
+                    install(info, leaf)
+                    info.location = (unit.index, slot_idx)
+            self.units.append(unit)
+            self.unit_leaves.append(unit_leaves)
+        self.bucketer.register_hooks()
+        self.pending: List[PendingReduce] = []
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(self, sync_grads: bool) -> None:
+        stale = [u for u in self.units if not u.is_current]
+        for u in stale:                                # start every gather, then wait: they overlap
+            u.gather()
+        for u in stale:
+            u.wait_gather()
+        if torch.is_grad_enabled() and sync_grads:
+            self._arm()
+        elif not self.bucketer.in_backward:
+            self.bucketer.disarm()
+
+    def _arm(self) -> None:
+        if self.bucketer.in_backward:
+            missing = self.bucketer.unready_param_names()
+            try:
+                self.bucketer.disarm()
+            except RuntimeError:
+                pass                                    # reset; our own message follows
+            raise RuntimeError(
+                f"FullyShardedDataParallel(stage={self.stage}): the previous backward produced no gradient for "
+                f"{', '.join(missing)}. In stages 1 and 2 every trainable parameter must take part in the loss: "
+                f"freeze unused ones with requires_grad_(False) before wrapping, or use stage=3.")
+        self.bucketer.prepare_for_backward()
+
+    # ------------------------------------------------------------------ backward
+    def _on_bucket_ready(self, bucket) -> None:
+        if self.stage == 2:
+            self._launch(bucket.index)
+
+    def _on_backward_end(self) -> None:
+        if self.stage == 1:
+            for i in range(len(self.units)):
+                self._launch(i)
+        self.drain()
+
+    def _launch(self, unit_idx: int) -> None:
+        leaves = self.unit_leaves[unit_idx]
+        self.pending.append(self.units[unit_idx].reduce_grad([leaf.grad for leaf in leaves]))
+        for leaf in leaves:
+            leaf.grad = None                            # only the shard and in-flight buckets stay
+        while len(self.pending) > MAX_IN_FLIGHT:
+            p = self.pending.pop(0)
+            p.unit.finish_reduce(p)
+
+    def drain(self) -> None:
+        while self.pending:
+            p = self.pending.pop(0)
+            p.unit.finish_reduce(p)
+
+    # ------------------------------------------------------------------ introspection
+    def held_tensors(self) -> dict:
+        """Tensors this runtime holds, by kind (for memory accounting)."""
+        params = [u.full for u in self.units] + [u.shard for u in self.units]
+        grads = [leaf.grad for ls in self.unit_leaves for leaf in ls if leaf.grad is not None]
+        grads += [u.shard.grad for u in self.units if u.shard.grad is not None]
+        grads += [t for p in self.pending for t in (p.inp, p.out) if t is not None]
+        return {"params": params, "grads": grads}

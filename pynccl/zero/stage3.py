@@ -1,0 +1,214 @@
+"""ZeRO stage 3: parameters are sharded too; only the master shards persist between steps.
+
+Each unit (a transformer block, or modules the user names; parameters outside every unit form
+the root unit) is all-gathered right before its forward, with the next unit's gather already
+in flight, and its memory is released (storage resized to 0) right after. For backward:
+  * a gradient hook on the unit's outputs fires just before the unit's backward starts; it
+    makes sure the unit is gathered and starts gathering the unit backward reaches next;
+  * saved-tensor hooks record tensors that autograd saves from a unit's buffer as
+    (unit, offset, size, stride) instead of a reference, and rebuild them from the re-gathered
+    buffer when backward unpacks them (gathering on the spot if no hook did), so freeing a
+    unit after forward can never leave backward reading freed memory;
+  * the unit's parameters are views of one leaf (ShardedUnit.full), so autograd sums their
+    gradients into full.grad; its post-accumulate hook reduce-scatters that flat gradient
+    into the shard and frees both the gradient and the parameters.
+The root unit stays gathered from the start of forward until its gradient is ready.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Optional
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from .flat_unit import PendingReduce, ShardedUnit
+from .layout import FlatLayout
+from .params import ParamInfo, install
+from .stage12 import MAX_IN_FLIGHT
+
+
+class ShardedParamsRuntime:
+    """Owns the stage-3 units, their module hooks and the saved-tensor hooks."""
+
+    def __init__(self, root: nn.Module, unit_modules: List[nn.Module], infos: List[ParamInfo],
+                 tensors: List[torch.Tensor], group, policy, sync_module_states: bool):
+        unit_of_module: Dict[int, int] = {}
+        for u_idx, m in enumerate(unit_modules, start=1):
+            for sub in m.modules():
+                # A module shared by two units belongs to neither: its parameters go to the root.
+                unit_of_module[id(sub)] = u_idx if unit_of_module.get(id(sub), u_idx) == u_idx else 0
+        members: Dict[int, list] = {u: [] for u in range(len(unit_modules) + 1)}
+        for info, t in zip(infos, tensors):
+            if info.requires_grad:
+                owner_units = {unit_of_module.get(id(mod), 0) for mod, _ in info.owners}
+                members[owner_units.pop() if len(owner_units) == 1 else 0].append((info, t))
+
+        self.units: List[ShardedUnit] = []
+        self.unit_infos: List[List[ParamInfo]] = []
+        self.root: Optional[ShardedUnit] = None
+        self._placeholder = {}
+        for u_idx, group_members in members.items():
+            if not group_members:
+                continue
+            layout = FlatLayout([i.name for i, _ in group_members], [t.shape for _, t in group_members],
+                                [i.index for i, _ in group_members], group.world_size)
+            unit = ShardedUnit(len(self.units), layout, [t for _, t in group_members], group, policy.param_dtype,
+                               policy.reduce_dtype, persistent=False, sync_from_first_rank=sync_module_states)
+            for slot_idx, (info, _) in enumerate(group_members):
+                info.location = (unit.index, slot_idx)
+            self.units.append(unit)
+            self.unit_infos.append([i for i, _ in group_members])
+            unit.full.register_post_accumulate_grad_hook(functools.partial(self._post_backward, unit))
+            if u_idx == 0:
+                self.root = unit
+            else:
+                m = unit_modules[u_idx - 1]
+                m.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+                m.register_forward_hook(functools.partial(self._post_forward, unit))
+            self._install_placeholders(unit)
+
+        self._by_storage: Dict[int, ShardedUnit] = {}    # data_ptr of a gathered buffer -> its unit
+        self.forward_order: List[ShardedUnit] = []       # non-root units, as the first forward ran them
+        self._recording = True
+        self._end_queued = False
+        self.sync_grads = True
+        self.pending: List[PendingReduce] = []
+
+    # ------------------------------------------------------------------ gather / free
+    def _install_placeholders(self, unit: ShardedUnit) -> None:
+        # Outside its forward a module sees an empty tensor, never a view of freed memory.
+        empty = self._placeholder.setdefault(unit.compute_dtype, torch.empty(0, dtype=unit.compute_dtype,
+                                                                               device=unit.full.device))
+        for info in self.unit_infos[unit.index]:
+            install(info, empty)
+
+    def _start_gather(self, unit: ShardedUnit) -> None:
+        if unit.gather_work is None and not unit.is_current:
+            unit.gather()
+            self._by_storage[unit.full.untyped_storage().data_ptr()] = unit
+
+    def _ensure(self, unit: ShardedUnit) -> None:
+        self._start_gather(unit)
+        unit.wait_gather()
+
+    def _free(self, unit: ShardedUnit) -> None:
+        if unit.is_allocated:
+            self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
+        unit.free()
+        self._install_placeholders(unit)
+
+    def _use_full(self, unit: ShardedUnit) -> None:
+        # Fresh views every forward: split's backward concatenates the parameter gradients
+        # into one flat gradient (zeros for the padding and for unused parameters).
+        views = unit.full.split(unit.layout.split_sizes)
+        for info, v in zip(self.unit_infos[unit.index], views):
+            install(info, v.view(info.shape))
+
+    def _neighbour(self, unit: ShardedUnit, step: int) -> Optional[ShardedUnit]:
+        order = self.forward_order
+        for i, u in enumerate(order):
+            if u is unit:
+                j = i + step
+                return order[j] if 0 <= j < len(order) else None
+        return None
+
+    # ------------------------------------------------------------------ forward
+    def pre_root_forward(self, sync_grads: bool) -> None:
+        self.sync_grads = sync_grads
+        self._end_queued = False                       # a backward that raised never ran its callback
+        if self.root is not None:
+            self._ensure(self.root)
+            self._use_full(self.root)
+        if not self._recording and self.forward_order:
+            self._start_gather(self.forward_order[0])
+
+    def _pre_forward(self, unit: ShardedUnit, module, args) -> None:
+        if self._recording and all(u is not unit for u in self.forward_order):
+            self.forward_order.append(unit)
+        self._ensure(unit)
+        self._use_full(unit)
+        if not self._recording:
+            nxt = self._neighbour(unit, +1)
+            if nxt is not None:
+                self._start_gather(nxt)
+
+    def _post_forward(self, unit: ShardedUnit, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            outs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs:
+                register_multi_grad_hook(outs, functools.partial(self._pre_backward, unit), mode="any")
+        # The last unit of forward is the first of backward: keep it.
+        keep = torch.is_grad_enabled() and not self._recording and unit is self.forward_order[-1]
+        if not keep:
+            self._free(unit)
+
+    def post_root_forward(self) -> None:
+        self._recording = False
+        grad = torch.is_grad_enabled()
+        last = self.forward_order[-1] if self.forward_order else None
+        for u in self.units:
+            if (u is self.root or u is last) and grad:
+                continue
+            if u.is_allocated or u.gather_work is not None:
+                self._free(u)                          # e.g. a prefetch the forward did not use
+
+    # ------------------------------------------------------------------ backward
+    def _queue_end(self) -> None:
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _pre_backward(self, unit: ShardedUnit, *unused) -> None:
+        self._queue_end()
+        self._ensure(unit)
+        prev = self._neighbour(unit, -1)
+        if prev is not None:
+            self._start_gather(prev)
+
+    def _post_backward(self, unit: ShardedUnit, full: torch.Tensor) -> None:
+        self._queue_end()
+        if self.sync_grads:
+            grad, unit.full.grad = unit.full.grad, None
+            self.pending.append(unit.reduce_grad([grad]))
+            while len(self.pending) > MAX_IN_FLIGHT:
+                p = self.pending.pop(0)
+                p.unit.finish_reduce(p)
+        self._free(unit)
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        self.drain()
+        for u in self.units:
+            if u.is_allocated or u.gather_work is not None:
+                self._free(u)
+
+    def drain(self) -> None:
+        while self.pending:
+            p = self.pending.pop(0)
+            p.unit.finish_reduce(p)
+
+    # ------------------------------------------------------------------ saved tensors
+    def pack(self, t: torch.Tensor):
+        if self._by_storage and t.layout == torch.strided:
+            unit = self._by_storage.get(t.untyped_storage().data_ptr())
+            if unit is not None and t.dtype == unit.full.dtype:
+                return (unit, t.storage_offset(), t.size(), t.stride())
+        return t
+
+    def unpack(self, packed):
+        if type(packed) is tuple:
+            unit, offset, size, stride = packed
+            self._ensure(unit)
+            return unit.full.detach().as_strided(size, stride, offset)
+        return packed
+
+    # ------------------------------------------------------------------ introspection
+    def held_tensors(self) -> dict:
+        params = [u.full for u in self.units] + [u.shard for u in self.units]
+        grads = [u.full.grad for u in self.units if u.full.grad is not None]
+        grads += [u.shard.grad for u in self.units if u.shard.grad is not None]
+        grads += [t for p in self.pending for t in (p.inp, p.out) if t is not None]
+        return {"params": params, "grads": grads}
