@@ -35,12 +35,12 @@ def _close(actual, expected, what, tol):
     torch.testing.assert_close(actual, expected.to(actual.dtype), **tol, msg=lambda m: f"{what}: {m}")
 
 
-def _compare(par, ref, x_full, group, what, tol, in_local=None, out_local=None, seed=0):
+def _compare(par, ref, x_full, group, what, tol, in_local=None, out_local=None, seed=0, input_grad=True):
     """Reference on the full input, parallel on this rank's part of it (in_local); backward with
     the same upstream grad (cut by out_local). Checks output, input grad and every param grad."""
     in_local = in_local or (lambda t: t)
     out_local = out_local or (lambda t: t)
-    differentiable = x_full.is_floating_point()
+    differentiable = x_full.is_floating_point() and input_grad
     x_ref = x_full.clone().requires_grad_(differentiable)
     y_ref = ref(x_ref)
     dy = _randn(*y_ref.shape, seed=seed + 1, device=y_ref.device, dtype=y_ref.dtype)
@@ -58,6 +58,47 @@ def _compare(par, ref, x_full, group, what, tol, in_local=None, out_local=None, 
         _close(p.grad, tp.shard_like(p, ref_params[name].grad, group), f"{what}: grad of {name}", tol)
 
 
+def _comm_checks(group, dev, tol):
+    """Each communication op's forward and backward against closed forms; rank r's input and
+    upstream grad are drawn from seed r."""
+    rank, ws = group.rank, group.world_size
+    xs = [_randn(S, B, H, seed=100 + r, device=dev) for r in range(ws)]
+    gs = [_randn(S, B, H, seed=200 + r, device=dev) for r in range(ws)]
+    gs_small = [g.chunk(ws, 0)[r] for r, g in enumerate(gs)]
+    gs_narrow = [g.chunk(ws, -1)[r] for r, g in enumerate(gs)]
+    rows = lambda t, r: t.chunk(ws, 0)[r]  # noqa: E731
+    cols = lambda t, r: t.chunk(ws, -1)[r]  # noqa: E731
+    cases = [  # (name, fn, input of rank r, grad of rank r, expected output, expected input grad)
+        ("copy_to", tp.copy_to_tensor_parallel_region, xs, gs, xs[rank], sum(gs)),
+        ("reduce_from", tp.reduce_from_tensor_parallel_region, xs, gs, sum(xs), gs[rank]),
+        ("scatter_to", tp.scatter_to_tensor_parallel_region, [xs[0]] * ws, gs_narrow, cols(xs[0], rank),
+         torch.cat(gs_narrow, -1)),
+        ("gather_from", tp.gather_from_tensor_parallel_region, [cols(x, r) for r, x in enumerate(xs)], gs,
+         torch.cat([cols(x, r) for r, x in enumerate(xs)], -1), cols(gs[rank], rank)),
+        ("scatter_to_sequence", tp.scatter_to_sequence_parallel_region, [xs[0]] * ws, gs_small, rows(xs[0], rank),
+         torch.cat(gs_small, 0)),
+        ("gather_from_sequence", tp.gather_from_sequence_parallel_region, [rows(x, r) for r, x in enumerate(xs)], gs,
+         torch.cat([rows(x, r) for r, x in enumerate(xs)], 0), rows(sum(gs), rank)),
+        ("gather_from_sequence (grad not partial)",
+         lambda x, g: tp.gather_from_sequence_parallel_region(x, g, grad_is_partial=False),
+         [rows(x, r) for r, x in enumerate(xs)], [gs[0]] * ws, torch.cat([rows(x, r) for r, x in enumerate(xs)], 0),
+         rows(gs[0], rank)),
+        ("reduce_scatter_to_sequence", tp.reduce_scatter_to_sequence_parallel_region, xs, gs_small,
+         rows(sum(xs), rank), torch.cat(gs_small, 0)),
+    ]
+    for name, fn, inputs, grads, expected_y, expected_dx in cases:
+        x = inputs[rank].clone().requires_grad_()
+        y = fn(x, group)
+        _close(y, expected_y, f"{name}: output", tol)
+        y.backward(grads[rank].clone())
+        _close(x.grad, expected_dx, f"{name}: input grad", tol)
+    a, b = (torch.full((3,), float(rank + 1), device=dev, requires_grad=True) for _ in range(2))
+    a2, b2 = tp.allreduce_grads_in_backward((a, b), group)
+    (a2 * 2 + b2).sum().backward()
+    _close(a.grad, torch.full((3,), 2.0 * ws, device=dev), "allreduce_grads_in_backward: grad", tol)
+    _close(b.grad, torch.full((3,), 1.0 * ws, device=dev), "allreduce_grads_in_backward: grad", tol)
+
+
 def _layer_checks(group, dev, dtype, tol):
     torch.manual_seed(0)
     seq = lambda t: _seq_shard(t, group)  # noqa: E731
@@ -68,9 +109,11 @@ def _layer_checks(group, dev, dtype, tol):
         x_ffn = _randn(S, B, FFN, seed=2, device=dev, dtype=dtype)
         for gather in (False, True):
             ref = nn.Linear(H, FFN, device=dev, dtype=dtype)
-            par = tp.ColumnParallelLinear.from_linear(ref, group, gather_output=gather, sequence_parallel=sp)
-            _compare(par, ref, x_h, group, f"{tag} column gather={gather}", tol,
-                     in_local=seq if sp else None, out_local=None if gather else last)
+            for input_grad in (True, False):  # an input without grad (first layer): no dX collective
+                ref.zero_grad()
+                par = tp.ColumnParallelLinear.from_linear(ref, group, gather_output=gather, sequence_parallel=sp)
+                _compare(par, ref, x_h, group, f"{tag} column gather={gather} input_grad={input_grad}", tol,
+                         in_local=seq if sp else None, out_local=None if gather else last, input_grad=input_grad)
         ref = nn.Linear(H, 3 * H, bias=False, device=dev, dtype=dtype)
         par = tp.ColumnParallelLinear.from_linear(ref, group, sequence_parallel=sp, num_fused=3)
         _compare(par, ref, x_h, group, f"{tag} fused column", tol, in_local=seq if sp else None,
@@ -291,6 +334,8 @@ def check_tensor_parallel(rank, world_size, dtype=torch.float32, tol=None):
     tol = tol or FP32_TOL
     group = pynccl.get_default_group()
     dev = pynccl.get_device(group)
+    if dtype == torch.float32:
+        _comm_checks(group, dev, tol)
     _layer_checks(group, dev, dtype, tol)
     _gpt_checks(group, dev, dtype, tol)
     if dtype == torch.float32:

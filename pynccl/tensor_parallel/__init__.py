@@ -1,16 +1,36 @@
-"""Tensor parallelism with optional sequence parallelism (Megatron-style): sharded layers, the
-autograd communication ops they are made of, vocabulary-parallel cross-entropy, the RNG
-tracker for dropout, and a GPT-2-style block built from them.
+"""Tensor parallelism with optional sequence parallelism, Megatron-style (arXiv:1909.08053,
+arXiv:2205.05198): sharded layers, the autograd communication ops they are made of,
+vocabulary-parallel cross-entropy, the RNG tracker for dropout, and a GPT-2-style block.
 
-Layout [s, b, h] (sequence first). `group` is the TP ProcessGroup (None: the default group).
-With sequence_parallel=True, activations between blocks are this rank's (s/tp, b, h) shard;
-the grads of replicated parameters used on shards (LayerNorms, row-parallel biases) are summed
-over the TP group automatically, inside autograd.
+Conventions
+* Layout [s, b, h], sequence first (as Megatron): sequence parallelism splits dim 0, so each
+  rank's shard is one contiguous slab and the all-gather / reduce-scatter need no transposes.
+  The reference modules (MLP, CausalSelfAttention, TransformerBlock) use the same layout.
+* `group` is the TP ProcessGroup (pynccl.new_group / ParallelMesh), None for the default group.
+  At TP size 1 no collective runs and the layers do what the unsharded ones do.
+* Sizes: out_features (column), in_features (row), ffn_hidden_size and num_heads must divide by
+  the TP size, else ValueError naming the dimension and the size. The vocabulary need not:
+  VocabParallelEmbedding pads it to a multiple of the TP size with zero rows, and
+  vocab_parallel_cross_entropy(..., vocab_size=V) masks the padded logits to -inf.
+* sequence_parallel=True: activations between sublayers are this rank's (s/tp, b, h) shard
+  (scatter_to_sequence_parallel_region, or VocabParallelEmbedding(sequence_parallel=True),
+  enters; column layers all-gather, row layers reduce-scatter). Replicated parameters applied
+  to shards (ParallelLayerNorm, the row-parallel bias) have their grads summed over the TP group
+  automatically, inside autograd (allreduce_grads_in_backward: one collective per module), so
+  grads are right under accumulation, DDP and ZeRO with nothing to call.
+* Initialisation: a layer built from sizes draws the unsharded torch layer's weights from the
+  default generator and keeps its slice, so the same seed gives the same model at any TP size
+  (and the unsharded module, sharded); `from_linear` / `from_embedding` / `from_module` slice
+  an existing module. Sharded params carry `tp_shard_dim`; see shard_like.
+* Dropout: call model_parallel_seed(seed, tp_rank) on every rank. Default generators get `seed`
+  (same masks on replicated activations across the TP group); the tracker's
+  "model-parallel-rng" state gets seed + 2718 + tp_rank and serves sharded activations
+  (attention heads, sequence-parallel shards), on CPU and CUDA alike.
 """
 from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                   gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-                   reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
-                   scatter_to_tensor_parallel_region)
+                   gather_from_tensor_parallel_region, linear_with_tensor_parallel_input,
+                   reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
+                   scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, VocabParallelEmbedding,
                      column_parallel_linear, shard_like, shard_tensor)
@@ -28,5 +48,6 @@ __all__ = [
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "allreduce_grads_in_backward",
+    "linear_with_tensor_parallel_input",
     "RNGStatesTracker", "get_rng_tracker", "get_cuda_rng_tracker", "model_parallel_seed", "MODEL_PARALLEL_RNG",
 ]

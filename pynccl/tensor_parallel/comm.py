@@ -1,6 +1,7 @@
 """Tensor-parallel communication as autograd functions: Megatron's f and g (arXiv:1909.08053 §3)
 and the sequence-parallel pair (arXiv:2205.05198 §4.2). Each op's backward is its conjugate
-collective, so the layers in layers.py are plain compositions of these and F.linear.
+collective, so the layers in layers.py are plain compositions of these and F.linear. The one
+fused op, _ColumnParallelLinear, exists so backward can overlap its collectives with the GEMMs.
 
 Layout: activations are [s, b, h] (sequence first, as Megatron). Sequence parallelism splits
 dim 0, so a rank's shard is one contiguous slab and the all-gather / reduce-scatter write and
@@ -29,12 +30,13 @@ def _all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
-    """(n, ...) -> (tp * n, ...): rank r's slab lands at rows [r*n, (r+1)*n)."""
+def _all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
+    """(n, ...) -> (tp * n, ...): rank r's slab lands at rows [r*n, (r+1)*n).
+    With async_op, returns (output, Work)."""
     x = x.contiguous()
     out = torch.empty((_tp_size(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
-    return out
+    work = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def _check_seq_divisible(what: str, x: torch.Tensor, tp_size: int):
@@ -43,14 +45,15 @@ def _check_seq_divisible(what: str, x: torch.Tensor, tp_size: int):
                          f"divisible by the tensor-parallel size ({tp_size})")
 
 
-def _reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
-    """(s, ...) -> (s / tp, ...): rank r keeps the sum of every rank's rows [r*s/tp, (r+1)*s/tp)."""
+def _reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
+    """(s, ...) -> (s / tp, ...): rank r keeps the sum of every rank's rows [r*s/tp, (r+1)*s/tp).
+    With async_op, returns (output, Work)."""
     tp_size = _tp_size(group)
     _check_seq_divisible("reduce_scatter_to_sequence_parallel_region", x, tp_size)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // tp_size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
-    return out
+    work = dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def _split_dim0(x: torch.Tensor, group) -> torch.Tensor:
@@ -198,6 +201,54 @@ class _AllReduceGradsInBackward(torch.autograd.Function):
         return (None, *out)
 
 
+class _ColumnParallelLinear(torch.autograd.Function):
+    """f (or the sequence all-gather) fused with the matmul, so that backward can overlap its
+    collectives with the GEMMs (Megatron's LinearWithGradAccumulationAndAsyncCommunication):
+
+        sequence parallel: all-gather X again (async) | dX = dY W  ; then reduce-scatter dX (async) | dW = dY^T X
+        otherwise:                                      dX = dY W  ; then all-reduce dX (async)     | dW = dY^T X
+
+    With sequence parallelism only this rank's input shard is saved for backward, and the gathered
+    input is rebuilt there (arXiv:2205.05198 §4.2.2: activation memory is what it is for).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        total = _all_gather_dim0(x, group) if sequence_parallel else x  # (s/tp, b, in) -> (s, b, in)
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(total, weight, bias)  # (s, b, in) @ (in, out/tp) -> (s, b, out/tp)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gather_work = None
+        if ctx.sequence_parallel and need_dw:
+            total, gather_work = _all_gather_dim0(x, ctx.group, async_op=True)
+        else:
+            total = x
+        dx = work = None
+        if need_dx:
+            dx = dy.matmul(weight.to(dy.dtype))  # (s, b, out/tp) @ (out/tp, in) -> (s, b, in), partial sum
+            if ctx.sequence_parallel:
+                dx, work = _reduce_scatter_dim0(dx, ctx.group, async_op=True)  # -> (s/tp, b, in)
+            else:
+                work = dist.all_reduce(dx, group=ctx.group, async_op=True)
+        dw = db = None
+        if need_dw:
+            if gather_work is not None:
+                gather_work.wait()
+            dy_2d = dy.reshape(-1, dy.shape[-1])  # (s·b, out/tp)
+            dw = dy_2d.t().matmul(total.reshape(-1, total.shape[-1]).to(dy.dtype)).to(weight.dtype)  # (out/tp, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0)
+        if work is not None:
+            work.wait()
+        return (dx.to(x.dtype) if dx is not None else None), dw, (None if db is None else db.to(weight.dtype)), \
+            None, None
+
+
 # ----------------------------------------------------------------------------- public functions
 def copy_to_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """f: forward identity, backward all-reduce over `group`."""
@@ -234,6 +285,15 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, grad_is_pa
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """(s, b, h) -> (s/tp, b, h) summed over `group`; backward all-gathers."""
     return x if _tp_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+def linear_with_tensor_parallel_input(x: torch.Tensor, weight: torch.Tensor, bias=None, group=None,
+                                      sequence_parallel: bool = False) -> torch.Tensor:
+    """F.linear(f(x), weight, bias), or F.linear(all_gather_seq(x), ...) with sequence_parallel:
+    the input side of a column-parallel layer, its backward collectives overlapped with the GEMMs."""
+    if _tp_size(group) == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _ColumnParallelLinear.apply(x, weight, bias, group, sequence_parallel)
 
 
 def allreduce_grads_in_backward(params: Sequence[torch.Tensor], group=None) -> Tuple[torch.Tensor, ...]:

@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import distributed as dist
-from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                   gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-                   reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
+from .comm import (allreduce_grads_in_backward, gather_from_tensor_parallel_region, linear_with_tensor_parallel_input,
+                   reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
+                   scatter_to_tensor_parallel_region)
 
 
 def check_divisible(layer: str, name: str, value: int, tp_size: int, num_chunks: int = 1) -> None:
@@ -69,11 +69,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     """Y_r = X W_r^T + b_r, W_r this rank's rows of W. X is replicated, or with sequence
     parallelism this rank's sequence shard, gathered here. Also the tied LM head: W = the
     VocabParallelEmbedding's weight gives this rank's vocabulary slice of the logits."""
-    if sequence_parallel:
-        x = gather_from_sequence_parallel_region(x, group)  # (s/tp, b, in) -> (s, b, in)
-    else:
-        x = copy_to_tensor_parallel_region(x, group)
-    y = F.linear(x, weight, bias)  # (s, b, in) @ (in, out/tp) -> (s, b, out/tp)
+    y = linear_with_tensor_parallel_input(x, weight, bias, group, sequence_parallel)  # -> (s, b, out/tp)
     return gather_from_tensor_parallel_region(y, group) if gather_output else y  # -> (s, b, out)
 
 

@@ -2,8 +2,10 @@
 arXiv:1909.08053 §3; sequence parallelism arXiv:2205.05198 §4.2).
 
 Each is a column-parallel layer followed by a row-parallel one, so one block costs two
-all-reduces forward and two backward (or, with sequence parallelism, an all-gather and a
-reduce-scatter each way per sublayer, moving the same bytes). Attribute names match the
+all-reduces forward and two backward. With sequence parallelism each sublayer costs an
+all-gather and a reduce-scatter forward, and backward an all-gather (row), a reduce-scatter
+(column) and the all-gather that rebuilds the column layer's input instead of storing it, plus
+one small all-reduce of replicated-parameter grads per LayerNorm and row bias. Names match the
 reference modules in reference.py, so sharded state_dicts have the same keys.
 Layout [s, b, h]; with sequence_parallel every input and output is this rank's (s/tp, b, h).
 """
