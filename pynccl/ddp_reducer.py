@@ -109,6 +109,10 @@ class Reducer:
         # static_graph: which parameters go unused, learnt in the first iteration (local, global).
         self.static_unused = None
         self._locally_unused: List[int] = []
+        # CUDA only (CPU has no streams): pack, then unpack, off the stream backward runs on.
+        self.side_streams = None
+        if self.device.type == "cuda":
+            self.side_streams = (torch.cuda.Stream(self.device, priority=-1), torch.cuda.Stream(self.device))
         self._setup_buckets()
 
     # ------------------------------------------------------------------ buckets
@@ -166,26 +170,59 @@ class Reducer:
         self._locally_unused = [i for i, p in enumerate(self.params) if id(p) in unused_ids]
         self.bucketer.prepare_for_backward(unused)
 
+    # ------------------------------------------------------------------ reduction
+    def _write_back_now(self) -> bool:
+        """Whether a bucket's gradients may be written back as soon as its reduction is queued
+        (the unused set is known in advance) rather than at the end of backward."""
+        return self.side_streams is not None and (self.static_unused is not None
+                                                  or not (self.find_unused or self.static_graph))
+
+    def _sources(self, b: Bucket) -> List[torch.Tensor]:
+        """What to pack, on the stream that produced the gradients (NOTE: any tensor made or
+        dropped here belongs to that stream, so no other stream frees memory under it)."""
+        if not self.grad_as_view:
+            return [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        views = b.views()
+        for p, v in zip(b.params, views):
+            g = p.grad
+            if g is None:
+                v.zero_()
+            elif g.data_ptr() != v.data_ptr():
+                v.copy_(g)
+                p.grad = v
+        return views
+
+    def _reduce(self, b: Bucket, sources: List[torch.Tensor]):
+        wire = b.extra["wire"]
+        if self.grad_as_view and wire is b.buffer:
+            wire.mul_(self.scale)                    # the gradients already are the buffer
+        else:
+            self.backend.pack(sources, wire, self.scale)
+        return self.hook(self.hook_state, b.extra["grad_bucket"])
+
     @torch.no_grad()
     def _on_bucket_ready(self, b: Bucket) -> None:
-        wire = b.extra["wire"]
-        if self.grad_as_view:
-            views = b.views()
-            for p, v in zip(b.params, views):
-                g = p.grad
-                if g is None:
-                    v.zero_()
-                elif g.data_ptr() != v.data_ptr():
-                    v.copy_(g)
-                    p.grad = v
-            if wire is b.buffer:
-                wire.mul_(self.scale)
-            else:
-                self.backend.pack(views, wire, self.scale)
-        else:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-            self.backend.pack(grads, wire, self.scale)
-        self.pending.append((b, self.hook(self.hook_state, b.extra["grad_bucket"])))
+        sources = self._sources(b)
+        if self.side_streams is None:
+            self.pending.append((b, self._reduce(b, sources), sources))
+            return
+        # CUDA: pack on a side stream so it overlaps the rest of backward; the collective follows
+        # on the communicator's stream; the unpack waits for it on a second side stream.
+        pack_stream, unpack_stream = self.side_streams
+        compute = torch.cuda.current_stream(self.device)
+        pack_stream.wait_stream(compute)
+        with torch.cuda.stream(pack_stream):
+            handle = self._reduce(b, sources)
+        if not self._write_back_now():
+            self.pending.append((b, handle, sources))
+            return
+        unused = self.static_unused[1] if self.static_unused is not None else set()
+        self._ensure_grads(b, unused)
+        unpack_stream.wait_stream(compute)
+        with torch.cuda.stream(unpack_stream):
+            reduced = handle.wait()
+            self._write_back(b, reduced, unused)
+        self.pending.append((b, None, (sources, reduced)))    # alive until the streams join
 
     def _globally_unused(self) -> set:
         """Indices of parameters no rank used since the last reduction (their grads stay as they
@@ -206,30 +243,36 @@ class Reducer:
 
     @torch.no_grad()
     def _on_backward_end(self) -> None:
-        unused = self._globally_unused()
+        if self.side_streams is not None:
+            compute = torch.cuda.current_stream(self.device)
+            for stream in self.side_streams:
+                compute.wait_stream(stream)
         pending, self.pending = self.pending, []
-        for b, handle in pending:
-            reduced = handle.wait()
-            if not isinstance(reduced, torch.Tensor) or reduced.numel() != b.numel:
-                got = reduced.numel() if isinstance(reduced, torch.Tensor) else type(reduced).__name__
-                raise RuntimeError(f"comm hook: wait() must return the reduced bucket ({b.numel} elements), "
-                                   f"got {got} for bucket {b.index}")
-            if unused and any(i in unused for i in b.param_indices):
-                self._write_back_skipping(b, reduced, unused)
-            elif self.grad_as_view:
-                views = b.views()
-                if reduced is not b.buffer:
-                    self.backend.unpack(reduced, views, 1.0)
-                for p, v in zip(b.params, views):
-                    if p.grad is None:
-                        p.grad = v
-            else:
-                grads = []
-                for p in b.params:
-                    if p.grad is None:       # unused here, used elsewhere
-                        p.grad = torch.zeros_like(p)
-                    grads.append(p.grad)
-                self.backend.unpack(reduced, grads, 1.0)
+        if all(handle is None for _, handle, _ in pending):
+            return
+        unused = self._globally_unused()
+        for b, handle, _ in pending:
+            self._ensure_grads(b, unused)
+            self._write_back(b, handle.wait(), unused)
+
+    def _ensure_grads(self, b: Bucket, unused: set) -> None:
+        """A parameter unused here but used elsewhere gets a gradient to receive the result."""
+        for i, p, v in zip(b.param_indices, b.params, b.views()):
+            if p.grad is None and i not in unused:
+                p.grad = v if self.grad_as_view else torch.zeros_like(p)
+
+    def _write_back(self, b: Bucket, reduced, unused: set) -> None:
+        if not isinstance(reduced, torch.Tensor) or reduced.numel() != b.numel:
+            got = reduced.numel() if isinstance(reduced, torch.Tensor) else type(reduced).__name__
+            raise RuntimeError(f"comm hook: wait() must return the reduced bucket ({b.numel} elements), "
+                               f"got {got} for bucket {b.index}")
+        if unused and any(i in unused for i in b.param_indices):
+            self._write_back_skipping(b, reduced, unused)
+        elif self.grad_as_view:
+            if reduced is not b.buffer:
+                self.backend.unpack(reduced, b.views(), 1.0)
+        else:
+            self.backend.unpack(reduced, [p.grad for p in b.params], 1.0)
 
     def _write_back_skipping(self, b: Bucket, reduced: torch.Tensor, unused: set) -> None:
         """Rare path (some parameter of the bucket went unused on every rank): per tensor."""
@@ -240,8 +283,5 @@ class Reducer:
             if self.grad_as_view:
                 if reduced is not b.buffer:
                     v.copy_(src)
-                p.grad = v
-            elif p.grad is None:
-                p.grad = src.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(src)

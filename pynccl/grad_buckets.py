@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -78,6 +79,17 @@ def assign_buckets(tensors: Sequence[torch.Tensor], first_cap_bytes: int = DEFAU
     # A bucket is ready when its last member is: that is the order they are reduced in.
     closed.sort(key=lambda b: b[-1])
     return closed
+
+
+def _hook_via(ref, idx: int, param: torch.Tensor) -> None:
+    bucketer = ref()
+    if bucketer is not None:
+        bucketer._hook(idx, param)
+
+
+def _remove_handles(handles) -> None:
+    for h in handles:
+        h.remove()
 
 
 class Bucket:
@@ -175,8 +187,12 @@ class GradBucketer:
     def register_hooks(self) -> None:
         if self._hooks:
             return
+        # NOTE: the hooks hold the bucketer weakly: a dropped DDP/ZeRO wrapper must free its
+        # buffers, and its hooks go with it, even though the parameters live on.
+        ref = weakref.ref(self)
         for idx, p in enumerate(self.params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._hook, idx)))
+            self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(_hook_via, ref, idx)))
+        weakref.finalize(self, _remove_handles, list(self._hooks))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -87,10 +87,11 @@ def _opt(name, params):
 def _train(model, opt, batches, rank, ws, accumulate=1, set_rank=True):
     """Local batch = this rank's chunk of the global batch, in `accumulate` micro-batches
     (no_sync on all but the last); ws=1 with a plain model is the full-batch reference."""
+    set_to_none = not getattr(model, "gradient_as_bucket_view", False)   # views: zero in place
     inner = getattr(model, "module", model)
     for x, y in batches:
         xs, ys = x.chunk(ws)[rank], y.chunk(ws)[rank]
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         micro = list(zip(xs.chunk(accumulate), ys.chunk(accumulate)))
         for i, (mx, my) in enumerate(micro):
             if set_rank and hasattr(inner, "rank"):

@@ -15,9 +15,33 @@ STEPS = 6
 BUCKET_MB = 0.05            # several buckets for this model
 
 
+SLEEP_CYCLES = 20_000_000  # ~10 ms: widens any stream-ordering race until it fails loudly
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward first keeps the stream busy: gradients arrive on the GPU long
+    after the host has run every hook, so a pack that does not wait for them reads garbage."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return grad
+
+
+def _delayed_allreduce_hook(state, bucket):
+    """The collective starts late (on the pack stream): the unpack and the optimizer must wait."""
+    torch.cuda._sleep(SLEEP_CYCLES // 4)
+    return comm_hooks.allreduce_hook(state, bucket)
+
+
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, slow=False):
         super().__init__()
+        self.slow = slow
         self.embed = nn.Linear(32, 128)
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 256), nn.GELU(),
                                                   nn.Linear(256, 128)) for _ in range(3))
@@ -27,12 +51,13 @@ class Net(nn.Module):
         h = self.embed(x)
         for blk in self.blocks:
             h = h + blk(h)
-        return self.head(h)
+        out = self.head(h)
+        return _SlowBackward.apply(out) if self.slow else out
 
 
-def _build(device, wrap, **opt_kw):
+def _build(device, wrap, slow=False, **opt_kw):
     torch.manual_seed(0)
-    model = wrap(Net().to(device))
+    model = wrap(Net(slow).to(device))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, **opt_kw)
 
 
@@ -45,8 +70,8 @@ def _data(rank, ws, device, steps=STEPS, seed=0):
     return out
 
 
-def _step(model, opt, x, y):
-    opt.zero_grad(set_to_none=True)
+def _step(model, opt, x, y, set_to_none=True):
+    opt.zero_grad(set_to_none=set_to_none)
     loss = ((model(x) - y) ** 2).mean()
     loss.backward()
     opt.step()
@@ -67,17 +92,20 @@ def _against_torch_ddp(rank, ws):
     # pynccl's torch.distributed default group is gloo; torch DDP gets its own NCCL group.
     torch_pg = tdist.new_group(backend="nccl")
     data = _data(rank, ws, device)
-    for kw in (dict(), dict(gradient_as_bucket_view=True)):
+    for kw, slow in ((dict(), False), (dict(gradient_as_bucket_view=True), False), (dict(), True),
+                     (dict(gradient_as_bucket_view=True), True)):
         ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(
-            m, device_ids=[device.index], bucket_cap_mb=BUCKET_MB, **kw))
+            m, device_ids=[device.index], bucket_cap_mb=BUCKET_MB, **kw), slow)
         theirs, opt_theirs = _build(device, lambda m: TorchDDP(m, device_ids=[device.index], process_group=torch_pg,
-                                                               bucket_cap_mb=BUCKET_MB, **kw))
+                                                               bucket_cap_mb=BUCKET_MB, **kw), slow)
         assert len(ours.reducer.bucketer.buckets) > 2
-        for x, y in data:
-            _step(ours, opt_ours, x, y)
-            _step(theirs, opt_theirs, x, y)
+        if slow:
+            ours.register_comm_hook(None, _delayed_allreduce_hook)
+        for x, y in data:       # bucket views are meant for zero_grad(set_to_none=False)
+            _step(ours, opt_ours, x, y, set_to_none=not kw)
+            _step(theirs, opt_theirs, x, y, set_to_none=not kw)
         torch.cuda.synchronize()
-        _assert_close(_params(ours), _params(theirs), f"nccl {kw} vs torch DDP")
+        _assert_close(_params(ours), _params(theirs), f"nccl {kw} {'with delays ' if slow else ''}vs torch DDP")
         assert ours.reducer.rebuilt
 
     ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(m, bucket_cap_mb=BUCKET_MB))

@@ -138,3 +138,17 @@ def test_bucketer_unused_and_errors():
         bk.rebuild([0, 0, 1])
     with pytest.raises(ValueError, match="no parameter requires a gradient"):
         GradBucketer([torch.zeros(2)], lambda b: None)
+
+
+def test_dropped_bucketer_frees_buffers_and_hooks():
+    import gc
+    import weakref
+    p = nn.Parameter(torch.zeros(4))
+    bk = GradBucketer([p], lambda b: None)
+    bk.register_hooks()
+    assert len(p._post_accumulate_grad_hooks) == 1
+    buf = weakref.ref(bk.buckets[0].buffer)
+    del bk
+    gc.collect()
+    assert buf() is None and not p._post_accumulate_grad_hooks
+    (p * 2).sum().backward()             # no hook left to fire
