@@ -3,7 +3,8 @@
 Why it is faster: each bucket's gradients are packed by one fused launch (the 1/world_size scale
 folded in), reduced by one collective that starts the moment the bucket is full, on the
 communicator's stream while backward goes on, and unpacked by one launch; the end of backward
-only makes the current stream wait (Work.wait(): no host sync). Bucketing and the gradient-ready
+only makes the current stream wait (Work.wait(): no host sync). On CUDA the pack and the unpack
+run on two side streams, so they too overlap the rest of backward (ddp_reducer.py). Bucketing and the gradient-ready
 hooks are grad_buckets.py (shared with ZeRO); the reduction is a comm hook (comm_hooks.py).
 Written once against the Backend interface: the same code runs on gloo (CPU) and nccl (CUDA).
 

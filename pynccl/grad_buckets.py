@@ -38,6 +38,13 @@ first_bucket_cap_bytes=1 MiB, param_names=None, pad_to=1)``
       * ``ready_order``: parameter indices in the order their gradients became ready in the
         first complete armed iteration; ``rebuild(order)`` re-buckets in that order (DDP
         broadcasts rank 0's order first so every rank builds identical buckets).
+      * ``used[i]``: parameter i got a gradient since ``reset_used()``, armed or not (so usage
+        during no_sync counts, as torch's local_used_map does).
+    The hooks hold the bucketer weakly: dropping the wrapper frees its buffers and hooks.
+
+ZeRO-2 sketch: ``GradBucketer(params, on_bucket_ready=lambda b: (backend.pack(grads_of(b),
+b.buffer, 1 / N), reduce_scatter_tensor(shard_of(b), b.buffer, async_op=True), free grads),
+pad_to=N)``; wait for the works in ``on_backward_end``.
 
 Nothing here synchronises with the device or allocates per step, so a captured step
 replays the same kernels (see ddp.py on CUDA graphs).
