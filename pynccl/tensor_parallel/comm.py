@@ -16,7 +16,6 @@ from typing import Sequence, Tuple
 import torch
 
 from .. import distributed as dist
-from ..reduce_op import ReduceOp
 
 
 def _tp_size(group) -> int:

@@ -17,7 +17,7 @@ differs per stage if stages should differ (Megatron adds 100 × pp_rank).
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 
