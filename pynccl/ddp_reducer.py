@@ -166,8 +166,10 @@ class Reducer:
             unused = [p for p in self.params if id(p) not in reached]
         else:
             unused = []
-        unused_ids = {id(p) for p in unused}
-        self._locally_unused = [i for i, p in enumerate(self.params) if id(p) in unused_ids]
+        self._locally_unused = []
+        if unused:
+            unused_ids = {id(p) for p in unused}
+            self._locally_unused = [i for i, p in enumerate(self.params) if id(p) in unused_ids]
         self.bucketer.prepare_for_backward(unused)
 
     # ------------------------------------------------------------------ reduction
