@@ -109,21 +109,17 @@ class DistributedDataParallel(nn.Module):
         self.require_forward_param_sync = True
 
         self._check_same_model_on_all_ranks(named_params)
-        self._module_buffers = list(dict.fromkeys(module.buffers()))
+        self._module_buffers = list(module.buffers())
         # NOTE: all of the module's state (parameters and buffers) comes from rank 0, as in torch.
-        broadcast_from_rank0(group.backend, [p.detach() for p in dict.fromkeys(module.parameters())]
-                             + self._module_buffers)
+        broadcast_from_rank0(group.backend, [p.detach() for p in module.parameters()] + self._module_buffers)
         self._buffer_broadcast = None
         self.reducer = Reducer(named_params, group, int(bucket_cap_mb * MiB), find_unused_parameters,
                                gradient_as_bucket_view, static_graph)
 
     @staticmethod
     def _trainable_params(module: nn.Module) -> List[tuple]:
-        seen, named = set(), []
-        for name, p in module.named_parameters():   # named_parameters already yields a shared one once
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                named.append((name, p))
+        # named_parameters() yields a shared (tied) parameter once, under its first name.
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
