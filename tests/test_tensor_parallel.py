@@ -317,10 +317,12 @@ def _rng_checks(group, dev):
     tracker.reset()
 
 
-def _subgroup_checks(rank, dev, tol):
-    """Two TP groups of 2 in a world of 4 (TP × DP): group ranks, not global ranks, pick shards."""
-    groups = [pynccl.new_group([0, 1]), pynccl.new_group([2, 3])]
-    group = groups[rank // 2]
+def _subgroup_checks(dev, tol):
+    """Two TP groups of 2 in a world of 4 (ParallelMesh dp=2 × tp=2): group ranks, not global
+    ranks, pick the shards."""
+    mesh = pynccl.ParallelMesh(dp=2, tp=2)
+    group = mesh.tp_group
+    assert group.rank == mesh.tp_rank and group.world_size == 2
     torch.manual_seed(2)
     ref = tp.TransformerBlock(H, HEADS, FFN, device=dev)
     x = _randn(S, B, H, seed=3, device=dev)
@@ -345,7 +347,7 @@ def check_tensor_parallel(rank, world_size, dtype=torch.float32, tol=None):
     if world_size > 1:
         _error_checks(group, dev)
     if world_size == 4:
-        _subgroup_checks(rank, dev, tol)
+        _subgroup_checks(dev, tol)
     return True
 
 
