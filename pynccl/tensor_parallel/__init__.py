@@ -28,9 +28,9 @@ Conventions
   (attention heads, sequence-parallel shards), on CPU and CUDA alike.
 """
 from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                   gather_from_tensor_parallel_region, linear_with_tensor_parallel_input,
-                   reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
-                   scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
+                   gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+                   reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+                   scatter_to_tensor_parallel_region)
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, VocabParallelEmbedding,
                      column_parallel_linear, shard_like, shard_tensor)
@@ -48,6 +48,5 @@ __all__ = [
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "allreduce_grads_in_backward",
-    "linear_with_tensor_parallel_input",
     "RNGStatesTracker", "get_rng_tracker", "get_cuda_rng_tracker", "model_parallel_seed", "MODEL_PARALLEL_RNG",
 ]
