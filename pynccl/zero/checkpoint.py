@@ -103,6 +103,7 @@ def save_sharded(model, path: str, optimizer=None) -> None:
     if not _agree(model, error is None):
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
+        dist.barrier(group=g)                      # every temp file is gone when any rank raises
         msg = f"save_sharded: writing {path} failed on some rank; the previous checkpoint there is intact"
         raise RuntimeError(msg + (f" (this rank: {error!r})" if error else "")) from error
     commit(tmp, final)
