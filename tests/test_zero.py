@@ -18,7 +18,8 @@ from torch import nn
 
 import pynccl
 from pynccl.testing import run_multiprocess
-from pynccl.zero import FlatLayout, MixedPrecision, atomic_save
+from pynccl.checkpoint_io import atomic_save
+from pynccl.zero import FlatLayout, MixedPrecision
 from pynccl.zero.wrap import select_unit_modules
 
 V, D, H, SEQ, GLOBAL_BATCH, STEPS, LR, TOL = 11, 5, 9, 4, 12, 5, 1e-2, 1e-6
@@ -255,7 +256,7 @@ def _sharded_same_size_and_crash(rank, ws, tmp):
             model.save_sharded(good, opt)
     finally:
         torch.save = real_save
-    assert not [f for f in os.listdir(good) if ".tmp-" in f]
+    assert sorted(os.listdir(good)) == [f"rank{r:05d}-of-{ws:05d}.pt" for r in range(ws)]   # no temp files
     fresh, fresh_opt = wrap(2)
     fresh.load_sharded(good, fresh_opt)
     train(fresh, fresh_opt, range(2, STEPS), rank, ws)

@@ -15,9 +15,8 @@ Files, one responsibility each:
   memory.py          bytes held in params/grads/optimizer state
   fsdp.py            FullyShardedDataParallel
 """
-from .checkpoint import atomic_save
 from .fsdp import FullyShardedDataParallel
 from .layout import FlatLayout
 from .mixed_precision import MixedPrecision
 
-__all__ = ["FullyShardedDataParallel", "MixedPrecision", "FlatLayout", "atomic_save"]
+__all__ = ["FullyShardedDataParallel", "MixedPrecision", "FlatLayout"]

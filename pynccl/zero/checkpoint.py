@@ -1,8 +1,8 @@
 """Sharded checkpoints: each rank writes only its shards and its optimizer state.
 
-Crash safety: every rank writes a temporary file in the checkpoint directory and fsyncs it;
-only when all ranks report success does each os.replace its file over the old one (then
-fsyncs the directory). A crash or error while writing therefore leaves the previous
+Crash safety: every rank first writes its file beside the final one (".staged", itself
+written by checkpoint_io.atomic_save: temp file, fsync, rename); only when all ranks report
+success does each os.replace it over its old file (then fsyncs the directory). A crash or error while writing therefore leaves the previous
 checkpoint whole. Each save carries a token chosen by the first rank; load refuses a set of
 files whose tokens differ (a crash between two ranks' renames would otherwise mix saves).
 
@@ -16,11 +16,12 @@ import glob
 import os
 import re
 import uuid
-from typing import List, Optional
+from typing import List
 
 import torch
 
 from .. import distributed as dist
+from ..checkpoint_io import atomic_save
 from ..reduce_op import ReduceOp
 from . import state_dict as sd
 from .layout import FlatLayout
@@ -34,37 +35,13 @@ def shard_file(path: str, rank: int, world_size: int) -> str:
     return os.path.join(path, f"rank{rank:05d}-of-{world_size:05d}.pt")
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _commit(staged: str, final: str) -> None:
+    os.replace(staged, final)
+    fd = os.open(os.path.dirname(os.path.abspath(final)), os.O_RDONLY)
     try:
-        os.fsync(fd)
+        os.fsync(fd)                               # NOTE: or the rename may not survive a power loss
     finally:
         os.close(fd)
-
-
-def write_temp(obj, final_path: str) -> str:
-    """torch.save `obj` to a temporary file beside `final_path`, fsynced; returns its name."""
-    tmp = f"{final_path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return tmp
-
-
-def commit(tmp: str, final_path: str) -> None:
-    os.replace(tmp, final_path)
-    _fsync_dir(os.path.dirname(os.path.abspath(final_path)))
-
-
-def atomic_save(obj, path: str) -> None:
-    """torch.save that never leaves a half-written `path` (temp file, fsync, os.replace)."""
-    commit(write_temp(obj, path), path)
 
 
 def _agree(model, ok: bool) -> bool:
@@ -83,9 +60,8 @@ def save_sharded(model, path: str, optimizer=None) -> None:
     token = [uuid.uuid4().hex if g.rank == 0 else None]
     dist.broadcast_object_list(token, src=g.ranks[0], group=g)
     final = shard_file(path, g.rank, g.world_size)
-    tmp, error = None, None
+    staged, error = final + ".staged", None
     try:
-        os.makedirs(path, exist_ok=True)
         payload = {
             "format": FORMAT, "token": token[0], "rank": g.rank, "world_size": g.world_size, "stage": model.stage,
             "units": [u.layout.metadata() for u in model.units],
@@ -97,16 +73,16 @@ def save_sharded(model, path: str, optimizer=None) -> None:
             "optimizer": None if optimizer is None else _to_cpu(optimizer.state_dict()),
             "optimizer_units": None if optimizer is None else _shard_positions(model, optimizer),
         }
-        tmp = write_temp(payload, final)
+        atomic_save(payload, staged)                # temp file + fsync + rename: never half-written
     except Exception as e:  # noqa: BLE001 - every rank must reach the vote below
         error = e
     if not _agree(model, error is None):
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
+        if os.path.exists(staged):
+            os.remove(staged)
         dist.barrier(group=g)                      # every temp file is gone when any rank raises
         msg = f"save_sharded: writing {path} failed on some rank; the previous checkpoint there is intact"
         raise RuntimeError(msg + (f" (this rank: {error!r})" if error else "")) from error
-    commit(tmp, final)
+    _commit(staged, final)
     dist.barrier(group=g)
 
 
