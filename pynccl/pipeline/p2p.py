@@ -1,0 +1,112 @@
+"""Pipeline transport: every exchange between pipeline ranks is one grouped batch_isend_irecv
+(one NCCL group, sends and receives to both neighbours together), plus the small metadata
+messages that let a receiver allocate its buffers.
+
+Shapes travel as int64 tensors: once per step a one-element header (0 = "same shapes as last
+step", n > 0 = "n int64 of metadata follow"), and the metadata only when the shapes changed.
+The receiver reads the header on the host: one synchronisation per step and stage boundary,
+before its first micro-batch; nothing in between micro-batches reads device memory.
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from .. import distributed as dist
+from ..backends.base import P2POp, Work
+
+# dtype <-> code in the metadata message; append only (codes are part of the wire format).
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+           torch.float8_e4m3fn, torch.float8_e5m2]
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+class TensorMeta(NamedTuple):
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+
+def tensor_meta(tensors: Sequence[torch.Tensor]) -> List[TensorMeta]:
+    return [TensorMeta(tuple(t.shape), t.dtype) for t in tensors]
+
+
+def encode_meta(metas: Sequence[TensorMeta]) -> List[int]:
+    """[num_tensors, then per tensor: dtype code, ndim, *dims]."""
+    out = [len(metas)]
+    for m in metas:
+        if m.dtype not in _CODE:
+            raise TypeError(f"pipeline: cannot send a tensor of dtype {m.dtype} between stages "
+                            f"(supported: {', '.join(str(d) for d in _DTYPES)})")
+        out += [_CODE[m.dtype], len(m.shape), *m.shape]
+    return out
+
+
+def decode_meta(values: Sequence[int]) -> List[TensorMeta]:
+    n, i, metas = values[0], 1, []
+    for _ in range(n):
+        code, ndim = values[i], values[i + 1]
+        metas.append(TensorMeta(tuple(values[i + 2: i + 2 + ndim]), _DTYPES[code]))
+        i += 2 + ndim
+    if i != len(values):
+        raise ValueError(f"pipeline: malformed shape metadata ({len(values)} values, decoded {i})")
+    return metas
+
+
+def _to_device(values: List[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        # Pinned + non_blocking: a pageable copy would synchronise the stream.
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
+class PipeTransport:
+    """Grouped sends/recvs between the ranks of one pipeline group; peers are pp ranks."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        self.group = group
+        self.device = device
+        self.pp_rank = group.rank
+        self.pp_size = group.world_size
+        # NOTE: never written after creation, so every step can send the same "unchanged" header.
+        self._unchanged = torch.zeros(1, dtype=torch.int64, device=device)
+        self.num_meta_sent = 0       # full metadata messages sent (once per shape change)
+
+    def start(self, sends: List[Tuple[torch.Tensor, int]], recvs: List[Tuple[torch.Tensor, int]]) -> Optional[Work]:
+        """Post all sends and recvs as one batch; returns its Work (None if there is nothing).
+        Work.wait() makes the current stream wait (NCCL) or waits on the host (gloo)."""
+        # Empty tensors carry nothing; both ends know the shapes, so both skip them.
+        ops = [P2POp(dist.isend, t, self.group.ranks[peer], self.group) for t, peer in sends if t.numel()]
+        ops += [P2POp(dist.irecv, t, self.group.ranks[peer], self.group) for t, peer in recvs if t.numel()]
+        if not ops:
+            return None
+        return dist.batch_isend_irecv(ops)[0]
+
+    # --- shape metadata --------------------------------------------------------------
+    def meta_messages(self, metas: List[TensorMeta], last_sent: Optional[List[TensorMeta]]) -> List[torch.Tensor]:
+        """What SEND_META sends: the unchanged header, or a header and the new metadata."""
+        if last_sent is not None and list(metas) == list(last_sent):
+            return [self._unchanged]
+        values = encode_meta(metas)
+        self.num_meta_sent += 1
+        return [_to_device([len(values)], self.device), _to_device(values, self.device)]
+
+    def header_buffer(self) -> torch.Tensor:
+        return torch.empty(1, dtype=torch.int64, device=self.device)
+
+    def finish_recv_meta(self, header: torch.Tensor, peer: int,
+                         cached: Optional[List[TensorMeta]]) -> List[TensorMeta]:
+        """After the header arrived: the metadata in force (cached, or received now from peer).
+        NOTE: reads the header on the host; runs once per step, before the first micro-batch."""
+        n = int(header.item())
+        if n == 0:
+            if cached is None:
+                raise RuntimeError("pipeline: the previous stage said 'shapes unchanged' before ever "
+                                   "sending shapes; the two ranks run different programs")
+            return cached
+        buf = torch.empty(n, dtype=torch.int64, device=self.device)
+        self.start([], [(buf, peer)]).wait()
+        return decode_meta(buf.tolist())

@@ -1,0 +1,237 @@
+"""ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B: torch.distributed.pipelining's API
+over pynccl's grouped point-to-point.
+
+Each schedule runs, instruction by instruction, the program that actions.build_programs makes
+for its rank, the same lists schedule_checker proves deadlock-free. A batch of sends/recvs is
+one batch_isend_irecv; a batch with receives is waited on before the next compute (a stream
+wait on NCCL, no host block); send-only batches are waited on at the end of the step.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence
+
+import torch
+
+from .actions import Action, ActionType, Instruction, PipelineLayout, ScheduleKind, compute_order, lower, sync_points
+from .p2p import PipeTransport, tensor_meta
+from .stage import PipelineStage
+
+A = ActionType
+
+
+def split_microbatches(what: str, values: Sequence, n: int) -> List[list]:
+    """Chunk each tensor along dim 0 into n equal micro-batches; other values are replicated."""
+    chunks = []
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            if v.dim() == 0 or v.shape[0] % n:
+                raise ValueError(f"pipeline step: {what}[{i}] has shape {tuple(v.shape)}; its batch dimension "
+                                 f"(dim 0) must divide evenly into n_microbatches={n}")
+            chunks.append(list(v.chunk(n)))
+        else:
+            chunks.append([v] * n)
+    return [[c[j] for c in chunks] for j in range(n)]
+
+
+class _PipelineSchedule:
+    kind: ScheduleKind
+
+    def __init__(self, stages: List[PipelineStage], n_microbatches: int, loss_fn: Callable, scale_grads: bool):
+        if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
+            raise ValueError(f"{type(self).__name__}: n_microbatches must be a positive int, got {n_microbatches!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"{type(self).__name__}: loss_fn must be callable (output, target) -> loss, "
+                            f"got {type(loss_fn).__name__}")
+        for s in stages:
+            if not isinstance(s, PipelineStage):
+                raise TypeError(f"{type(self).__name__}: expected PipelineStage, got {type(s).__name__}")
+        group = stages[0].group
+        if any(s.group is not group for s in stages):
+            raise ValueError(f"{type(self).__name__}: all stages of a rank must share one pipeline group")
+        pp_size, pp_rank = group.world_size, group.rank
+        v = len(stages)
+        if any(s.num_stages != pp_size * v for s in stages):
+            raise ValueError(f"{type(self).__name__}: {v} stage(s) per rank × pp size {pp_size} = {pp_size * v}, "
+                             f"but the stages say num_stages={stages[0].num_stages}")
+        layout = PipelineLayout(pp_size, v)
+        expected = layout.stages_of(pp_rank)
+        got = sorted(s.stage_index for s in stages)
+        if got != expected:
+            raise ValueError(f"{type(self).__name__}: pp rank {pp_rank} must hold stages {expected}, got {got}")
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.scale_grads = bool(scale_grads)
+        self.layout = layout
+        self.pp_rank = pp_rank
+        self._stages: Dict[int, PipelineStage] = {s.stage_index: s for s in stages}
+        self._transport = PipeTransport(group, stages[0].device)
+        order = compute_order(self.kind, pp_rank, pp_size, n_microbatches, v)
+        # Single source of truth: the program the checker simulates.
+        self.program: List[Instruction] = lower(order, layout, sync_points(self.kind, pp_rank, pp_size, n_microbatches, v))
+        self._last_backward = {}
+        for a in order:
+            if a.type is A.BACKWARD:
+                self._last_backward[a.stage] = a.microbatch
+        self.peak_live_activations = 0
+        # Optional: a callable taking the Action and returning a context manager that wraps each
+        # forward/backward (benchmarks/pp_bench.py times compute with it; None costs nothing).
+        self.compute_timer: Optional[Callable[[Action], ContextManager]] = None
+        self._loss_for_backward: Dict[int, torch.Tensor] = {}
+        self._broken: Optional[BaseException] = None
+
+    @property
+    def stages(self) -> List[PipelineStage]:
+        return [self._stages[k] for k in sorted(self._stages)]
+
+    # --- step ------------------------------------------------------------------------------
+    def step(self, *inputs, target=None, losses: Optional[list] = None):
+        """One training step over n_microbatches micro-batches. Inputs are needed on the rank of
+        the first stage, target on the last (ignored elsewhere). Appends each micro-batch's
+        (unscaled) loss to `losses`; returns the merged output on the last stage, else None."""
+        if self._broken is not None:
+            raise RuntimeError(f"{type(self).__name__}: a previous step failed ({self._broken!r}); the pipeline "
+                               f"ranks may be out of step, build a new schedule and process group") from self._broken
+        m = self.n_microbatches
+        first, last = self._stages.get(0), self._stages.get(self.layout.num_stages - 1)
+        input_mbs = target_mbs = None
+        if first is not None:
+            if not inputs:
+                raise ValueError("pipeline step: this rank holds the first stage, so step() needs its inputs")
+            input_mbs = split_microbatches("inputs", inputs, m)
+        if last is not None:
+            if target is None:
+                raise ValueError("pipeline step: this rank holds the last stage, so step() needs target=")
+            target_mbs = [t[0] for t in split_microbatches("target", [target], m)]
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"pipeline step: losses must be a list (or None), got {type(losses).__name__}")
+        for s in self._stages.values():
+            s._reset_step()
+        self._loss_for_backward.clear()
+        try:
+            self._run(input_mbs, target_mbs)
+        except BaseException as e:
+            self._broken = e
+            raise
+        if last is None:
+            return None
+        if losses is not None:
+            losses.extend(last.losses[j] for j in range(m))
+        outs = [last.outputs[j] for j in range(m)]
+        merged = tuple(torch.cat([o[i] for o in outs]) for i in range(len(outs[0])))
+        return merged[0] if len(merged) == 1 else merged
+
+    def _run(self, input_mbs, target_mbs):
+        pending_sends = []
+        live = peak = 0
+        for instr in self.program:
+            a = instr[0]
+            if a.type.is_compute:
+                with self.compute_timer(a) if self.compute_timer is not None else contextlib.nullcontext():
+                    if a.type is A.FORWARD:
+                        self._forward(a, input_mbs, target_mbs)
+                    else:
+                        self._backward(a)
+                live += 1 if a.type is A.FORWARD else -1
+                peak = max(peak, live)
+            else:
+                work, has_recv = self._exchange(instr)
+                if work is not None:
+                    if has_recv:
+                        work.wait()
+                    else:
+                        pending_sends.append(work)
+        for work in pending_sends:
+            work.wait()
+        self.peak_live_activations = peak
+
+    def _forward(self, a: Action, input_mbs, target_mbs):
+        stage = self._stages[a.stage]
+        j = a.microbatch
+        if stage.is_first:
+            args = input_mbs[j]
+        elif a.stage - 1 in self._stages:
+            args = stage.local_inputs_from(self._stages[a.stage - 1], j)
+        else:
+            args = stage.received_inputs(j)
+        out = stage.forward_one_chunk(j, args)
+        if stage.is_last:
+            loss = self.loss_fn(out[0] if len(out) == 1 else out, target_mbs[j])
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(f"pipeline: loss_fn must return a scalar tensor, got "
+                                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
+            stage.losses[j] = loss.detach()
+            # Loss divided, as torch.distributed.pipelining: with a mean-reduced loss, the
+            # gradients accumulated over micro-batches equal the whole batch's.
+            self._loss_for_backward[j] = loss / self.n_microbatches if self.scale_grads else loss
+
+    def _backward(self, a: Action):
+        stage = self._stages[a.stage]
+        j = a.microbatch
+        sync = j == self._last_backward[a.stage]
+        if stage.is_last:
+            stage.backward_one_chunk(j, loss=self._loss_for_backward.pop(j), sync_grads=sync)
+        elif a.stage + 1 in self._stages:
+            grads = self._stages[a.stage + 1].input_grads_to_send(j)
+            stage.backward_one_chunk(j, output_grads=grads, sync_grads=sync)
+        else:
+            stage.backward_one_chunk(j, sync_grads=sync)
+
+    def _exchange(self, instr: Instruction):
+        """Post one batch of sends/recvs; finish the metadata receives once it completes."""
+        sends, recvs, meta_recvs = [], [], []
+        for a in instr:
+            stage = self._stages[a.stage]
+            peer = self.layout.rank_of(a.peer_stage())
+            j = a.microbatch
+            if a.type is A.SEND_F:
+                sends += [(t, peer) for t in stage.outputs_to_send(j)]
+            elif a.type is A.RECV_F:
+                recvs += [(t, peer) for t in stage.input_buffers(j)]
+            elif a.type is A.SEND_B:
+                sends += [(t, peer) for t in stage.input_grads_to_send(j)]
+            elif a.type is A.RECV_B:
+                recvs += [(t, peer) for t in stage.output_grad_buffers(j)]
+            elif a.type is A.SEND_META:
+                metas = tensor_meta(stage.outputs_of(j))
+                sends += [(t, peer) for t in self._transport.meta_messages(metas, stage.outputs_meta_sent)]
+                stage.outputs_meta_sent = metas
+            elif a.type is A.RECV_META:
+                header = self._transport.header_buffer()
+                recvs.append((header, peer))
+                meta_recvs.append((stage, header, peer))
+        work = self._transport.start(sends, recvs)
+        if meta_recvs:
+            work.wait()
+            for stage, header, peer in meta_recvs:
+                stage.inputs_meta = self._transport.finish_recv_meta(header, peer, stage.inputs_meta)
+            return None, False
+        return work, bool(recvs)
+
+
+class ScheduleGPipe(_PipelineSchedule):
+    """All forwards, then all backwards (arXiv:1811.06965); holds m micro-batches' activations."""
+    kind = ScheduleKind.GPIPE
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable, scale_grads: bool = True):
+        super().__init__([stage], n_microbatches, loss_fn, scale_grads)
+
+
+class Schedule1F1B(_PipelineSchedule):
+    """One forward one backward after a warm-up (arXiv:2006.09503); holds ≤ p micro-batches."""
+    kind = ScheduleKind.ONE_F_ONE_B
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable, scale_grads: bool = True):
+        super().__init__([stage], n_microbatches, loss_fn, scale_grads)
+
+
+class ScheduleInterleaved1F1B(_PipelineSchedule):
+    """Several stages per rank (stage k on pp rank k % p), Megatron's interleaved order
+    (arXiv:2104.04473): bubble (p - 1)/(v·m + p - 1). n_microbatches must be a multiple of p."""
+    kind = ScheduleKind.INTERLEAVED_1F1B
+
+    def __init__(self, stages: List[PipelineStage], n_microbatches: int, loss_fn: Callable, scale_grads: bool = True):
+        if not isinstance(stages, (list, tuple)) or not stages:
+            raise TypeError(f"ScheduleInterleaved1F1B: stages must be a non-empty list of PipelineStage, "
+                            f"got {type(stages).__name__}")
+        super().__init__(list(stages), n_microbatches, loss_fn, scale_grads)

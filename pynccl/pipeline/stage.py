@@ -1,0 +1,189 @@
+"""PipelineStage: one stage's module and its per-micro-batch state (inputs, outputs, gradients),
+as torch.distributed.pipelining.PipelineStage. The schedule (schedules.py) decides the order;
+the stage runs forward/backward of one micro-batch and hands out the tensors to send.
+
+Stage k lives on pp rank k % pp_size of its group (one stage per rank, or several for
+interleaved 1F1B). It counts the micro-batches whose activations it holds (forward done,
+backward not yet), so tests can assert 1F1B's memory bound.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .. import distributed as dist
+from .p2p import TensorMeta, tensor_meta
+
+
+def _carries_grad(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def _no_sync(module):
+    no_sync = getattr(module, "no_sync", None)
+    return no_sync() if callable(no_sync) else contextlib.nullcontext()
+
+
+def _check_dp_wrapper(module: nn.Module) -> bool:
+    """True for pynccl DDP. Other modules with no_sync() must decide at backward time whether to
+    reduce; torch DDP decides in forward and needs torch process groups, so it is refused."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        raise TypeError("PipelineStage: wrap the stage in pynccl.DistributedDataParallel (over a pynccl dp "
+                        "group), not torch.nn.parallel.DistributedDataParallel")
+    if not callable(getattr(module, "no_sync", None)):
+        return False
+    from ..ddp import DistributedDataParallel
+    return isinstance(module, DistributedDataParallel)
+
+
+def _as_tuple(out) -> tuple:
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
+        return tuple(out)
+    raise TypeError(f"pipeline stage: the module must return a tensor or a tuple of tensors, "
+                    f"got {type(out).__name__}")
+
+
+class PipelineStage:
+    """PipelineStage(submodule, stage_index, num_stages, device=None, group=None).
+
+    group: the pynccl ProcessGroup of the pipeline axis (pp rank = group rank), None for the
+    default group. device: where the stage computes (default: the group's device).
+
+    Data parallelism: wrap the stage's module in pynccl.DistributedDataParallel over the dp group.
+    Micro-batches then accumulate locally (every forward, and every backward but the stage's last
+    of the step, run in no_sync()) and the last backward reduces, once per step.
+    """
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device=None, group=None):
+        if not isinstance(submodule, nn.Module):
+            raise TypeError(f"PipelineStage: submodule must be a torch.nn.Module, got {type(submodule).__name__}")
+        for name, value in (("stage_index", stage_index), ("num_stages", num_stages)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"PipelineStage: {name} must be an int, got {type(value).__name__}")
+        if num_stages < 1 or not 0 <= stage_index < num_stages:
+            raise ValueError(f"PipelineStage: need 0 <= stage_index < num_stages, got stage_index="
+                             f"{stage_index}, num_stages={num_stages}")
+        pp_group = dist.get_default_group() if group is None else dist._group(group)
+        pp_size = pp_group.world_size
+        if num_stages % pp_size:
+            raise ValueError(f"PipelineStage: num_stages ({num_stages}) must be a multiple of the pipeline "
+                             f"group's size ({pp_size}): stage k runs on pp rank k % {pp_size}")
+        if stage_index % pp_size != pp_group.rank:
+            raise ValueError(f"PipelineStage: stage {stage_index} belongs to pp rank {stage_index % pp_size} "
+                             f"(stage k runs on rank k % {pp_size}), but this process is pp rank "
+                             f"{pp_group.rank} of group {pp_group.ranks}")
+        self.submodule = submodule
+        self._is_pynccl_ddp = _check_dp_wrapper(submodule)
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group = pp_group
+        self.pp_size = pp_size
+        self.device = torch.device(device) if device is not None else pp_group.backend.device
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        # Shapes: of the inputs received (RECV_META) and of the outputs last announced (SEND_META).
+        self.inputs_meta: Optional[List[TensorMeta]] = None
+        self.outputs_meta_sent: Optional[List[TensorMeta]] = None
+        self.num_live_activations = 0
+        self.peak_live_activations = 0
+        self._reset_step()
+
+    def __repr__(self):
+        return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, pp rank {self.group.rank}, {self.device})"
+
+    def _reset_step(self):
+        self._fwd_cache: Dict[int, tuple] = {}       # mb -> (inputs, outputs)
+        self._received: Dict[int, List[torch.Tensor]] = {}   # mb -> received inputs
+        self._output_grads: Dict[int, List[torch.Tensor]] = {}  # mb -> received grads of outputs
+        self._input_grads: Dict[int, List[Optional[torch.Tensor]]] = {}  # mb -> grads to send back
+        self.outputs: Dict[int, tuple] = {}          # mb -> detached outputs (last stage)
+        self.losses: Dict[int, torch.Tensor] = {}
+        self.num_live_activations = 0
+        self.peak_live_activations = 0
+
+    # --- forward -------------------------------------------------------------------------
+    def forward_one_chunk(self, mb: int, args: Sequence) -> tuple:
+        with _no_sync(self.submodule):
+            out = _as_tuple(self.submodule(*args))
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        self._fwd_cache[mb] = (inputs, out)
+        if self.is_last:
+            self.outputs[mb] = tuple(t.detach() for t in out)
+        self.num_live_activations += 1
+        self.peak_live_activations = max(self.peak_live_activations, self.num_live_activations)
+        return out
+
+    def outputs_of(self, mb: int) -> tuple:
+        return self._fwd_cache[mb][1]
+
+    def outputs_to_send(self, mb: int) -> List[torch.Tensor]:
+        out = self.outputs_of(mb)
+        if self.outputs_meta_sent is not None and tensor_meta(out) != self.outputs_meta_sent:
+            raise ValueError(f"pipeline stage {self.stage_index}: micro-batch {mb} produced outputs "
+                             f"{tensor_meta(out)}, but this step announced {self.outputs_meta_sent}; "
+                             f"every micro-batch of a step must have the same shapes")
+        return [t.detach().contiguous() for t in out]
+
+    def local_inputs_from(self, prev: "PipelineStage", mb: int) -> List[torch.Tensor]:
+        """Inputs handed over by the previous stage on this rank (no message)."""
+        return [self._as_input(t.detach()) for t in prev.outputs_of(mb)]
+
+    @staticmethod
+    def _as_input(t: torch.Tensor) -> torch.Tensor:
+        return t.requires_grad_(True) if _carries_grad(t) else t
+
+    # --- receive buffers -----------------------------------------------------------------
+    def input_buffers(self, mb: int) -> List[torch.Tensor]:
+        if self.inputs_meta is None:
+            raise RuntimeError(f"pipeline stage {self.stage_index}: receive before shapes are known")
+        bufs = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in self.inputs_meta]
+        self._received[mb] = bufs
+        return bufs
+
+    def received_inputs(self, mb: int) -> List[torch.Tensor]:
+        # NOTE: called after the recv's Work.wait(); requires_grad is autograd metadata only.
+        return [self._as_input(t) for t in self._received.pop(mb)]
+
+    def output_grad_buffers(self, mb: int) -> List[torch.Tensor]:
+        bufs = [torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                for t in self.outputs_of(mb) if _carries_grad(t)]
+        self._output_grads[mb] = bufs
+        return bufs
+
+    # --- backward ------------------------------------------------------------------------
+    def backward_one_chunk(self, mb: int, loss: Optional[torch.Tensor] = None,
+                           output_grads: Optional[List[torch.Tensor]] = None, sync_grads: bool = True) -> None:
+        """Backward of micro-batch mb: from `loss` (last stage) or from the gradients of the
+        floating-point outputs (received, or given by the next stage on this rank)."""
+        inputs, out = self._fwd_cache.pop(mb)
+        if self.is_last:
+            tensors, grads = [loss], [None]
+        else:
+            if output_grads is None:
+                output_grads = self._output_grads.pop(mb)
+            float_out = [t for t in out if _carries_grad(t)]
+            pairs = [(t, g) for t, g in zip(float_out, output_grads) if t.requires_grad]
+            tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        if sync_grads and self._is_pynccl_ddp:
+            # DDP decides in forward whether the next backward reduces (as torch's); all forwards
+            # ran in no_sync, so arm it here as a synced forward would (torch.distributed.pipelining
+            # does the same with torch DDP).
+            self.submodule.reducer.prepare_for_forward()
+            self.submodule.reducer.prepare_for_backward(tensors)
+        if tensors:
+            with contextlib.nullcontext() if sync_grads else _no_sync(self.submodule):
+                torch.autograd.backward(tensors, grad_tensors=grads)
+        if not self.is_first:
+            # Gradients of the floating-point inputs, zeros where an input did not reach the loss.
+            self._input_grads[mb] = [torch.zeros_like(t) if t.grad is None else t.grad.contiguous()
+                                     for t in inputs if _carries_grad(t)]
+        self.num_live_activations -= 1
+
+    def input_grads_to_send(self, mb: int) -> List[torch.Tensor]:
+        """What SEND_B sends, or what the previous stage on this rank takes as its output grads."""
+        return self._input_grads.pop(mb)
