@@ -232,6 +232,17 @@ def test_corrupted_results_are_counted_and_fail_the_run(tmp_path):
     assert t.out_of_bounds == 6 and "FAILED" in r.stdout
 
 
+def test_runs_under_torchrun(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "pynccl.bench",
+                        "reduce_scatter", "--backend", "gloo", "-b", "64", "-e", "1K", "-f", "4", "-n", "2"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (t,) = parse_log(r.stdout)
+    assert len(t.devices) == 2 and [row.size for row in t.rows] == [64, 256, 1024]
+    assert all(row.out_of_place.wrong == 0 and row.in_place.wrong == 0 for row in t.rows)
+
+
 # ----------------------------------------------------------------------------- every op, 3 ranks
 def _every_op(rank, world_size):
     from pynccl.bench.runner import run_initialized
@@ -249,6 +260,9 @@ def _every_op(rank, world_size):
     # every reduction and the dtypes gloo has, on the two reducing collectives.
     out["redops"] = run(["all_reduce,reduce_scatter", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0",
                          "-o", "all", "-d", "all", "-a", "3"])
+    # host-overhead mode, blocking mode, min over ranks, one root
+    out["modes"] = run(["broadcast", "-b", "8", "-e", "64", "-f", "8", "-n", "2", "-C", "1", "-z", "1", "-a", "2",
+                        "-r", "2"])
     os.environ["PYNCCL_BENCH_CORRUPT"] = "1"
     out["corrupt"] = run(["alltoall,gather", "-b", "48", "-e", "96", "-f", "2", "-n", "1"])
     del os.environ["PYNCCL_BENCH_CORRUPT"]
@@ -288,6 +302,12 @@ def test_every_op_and_impl_on_three_ranks():
     assert {("half", "avg"), ("bfloat16", "prod"), ("int8", "sum"), ("double", "min"), ("uint8", "max")} <= seen
     assert all(row.out_of_place.wrong == 0 and row.in_place.wrong == 0 for row in rows)
     assert "skipping all_reduce int8 avg" in text and "skipping all_reduce uint32 sum" in text
+
+    code, text = results[0]["modes"]
+    assert code == 0, text
+    (t,) = parse_log(text)
+    assert t.time_label == "cputime" and "# Blocking Enabled: wait for completion and barrier" in text
+    assert [(row.size, row.root, row.out_of_place.wrong) for row in t.rows] == [(8, 2, 0), (64, 2, 0)]
 
     code, text = results[0]["corrupt"]
     assert code == 1

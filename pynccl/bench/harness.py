@@ -80,7 +80,7 @@ class Context:
         mode = self.opts.average
         t = torch.tensor(values, dtype=torch.float64)
         if mode == 0:
-            tdist.broadcast(t, group_src=0, group=self.side_group)
+            tdist.broadcast(t, src=0, group=self.side_group)  # the side group spans every rank
         else:
             op = {1: tdist.ReduceOp.SUM, 2: tdist.ReduceOp.MIN, 3: tdist.ReduceOp.MAX}[mode]
             tdist.all_reduce(t, op=op, group=self.side_group)

@@ -4,6 +4,7 @@ nothing runs inside it but the op calls themselves.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from typing import Callable, List, Optional, Tuple
@@ -13,38 +14,40 @@ import torch
 _perf_counter = time.perf_counter
 
 
+@contextlib.contextmanager
+def _no_gc():
+    """A collection inside the loop would be charged to whichever op it hit."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def timed_loop(calls: List[Callable[[], None]], sync: Callable[[], None]) -> Tuple[float, float]:
     """(host seconds to enqueue all calls, wall seconds until the device finished them)."""
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # a collection inside the loop would be charged to whichever op it hit
-    try:
+    with _no_gc():
         t0 = _perf_counter()
         for call in calls:
             call()
         t1 = _perf_counter()
         sync()
         t2 = _perf_counter()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return t1 - t0, t2 - t0
 
 
 def timed_replay(graph, launches: int, sync: Callable[[], None]) -> Tuple[float, float]:
     """As timed_loop, for `launches` replays of a captured graph."""
     replay = graph.replay
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _no_gc():
         t0 = _perf_counter()
         for _ in range(launches):
             replay()
         t1 = _perf_counter()
         sync()
         t2 = _perf_counter()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return t1 - t0, t2 - t0
 
 

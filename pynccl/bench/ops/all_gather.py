@@ -2,15 +2,14 @@
 In place, each rank's input is its own chunk of the output."""
 import functools
 
-from .base import Collective, Counts, Segment, per_rank_count
+from .base import Collective, Segment, gathering_counts
 
 
 class AllGather(Collective):
     name = "all_gather"
 
     def counts(self, count, nranks, elem_size):
-        c = per_rank_count(count, nranks, elem_size)
-        return Counts(send=c, recv=c * nranks, param=c, send_inplace_offset=c)
+        return gathering_counts(count, nranks, elem_size)
 
     def bus_factor(self, nranks):
         return (nranks - 1) / nranks

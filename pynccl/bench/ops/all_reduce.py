@@ -1,11 +1,8 @@
 """all_reduce: every rank ends with the reduction of all inputs; busbw = algbw × 2(n-1)/n.
-
-The API (like torch.distributed's) reduces in place, so out-of-place is a copy of the input into
-the output followed by the in-place all_reduce; the same for both implementations.
-"""
+The API reduces in place (as torch.distributed's): out-of-place copies the input in first."""
 import functools
 
-from .base import ALL, Collective, Counts, Segment
+from .base import ALL, Collective, Segment, copy_then, whole_counts
 
 
 class AllReduce(Collective):
@@ -13,7 +10,7 @@ class AllReduce(Collective):
     has_redop = True
 
     def counts(self, count, nranks, elem_size):
-        return Counts(send=count, recv=count, param=count)
+        return whole_counts(count)
 
     def bus_factor(self, nranks):
         return 2 * (nranks - 1) / nranks
@@ -22,12 +19,7 @@ class AllReduce(Collective):
         return [Segment(0, counts.recv, ALL, 0)]
 
     def make_call(self, impl, send, recv, in_place, spec):
-        all_reduce, op, group = impl.api.all_reduce, spec.redop, impl.group
+        args = (recv, spec.redop, impl.group)
         if in_place:
-            return functools.partial(all_reduce, recv, op, group)
-        copy = recv.copy_
-
-        def out_of_place():
-            copy(send)
-            all_reduce(recv, op, group)
-        return out_of_place
+            return functools.partial(impl.api.all_reduce, *args)
+        return copy_then(send, recv, impl.api.all_reduce, *args)

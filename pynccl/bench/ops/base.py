@@ -50,6 +50,34 @@ def per_rank_count(count: int, nranks: int, elem_size: int) -> int:
     return (c * elem_size // 16) * 16 // elem_size
 
 
+def whole_counts(count: int) -> Counts:
+    """Ops that move `count` elements per rank: all_reduce, broadcast, reduce, sendrecv."""
+    return Counts(send=count, recv=count, param=count)
+
+
+def gathering_counts(count: int, nranks: int, elem_size: int) -> Counts:
+    """c in, n·c out (all_gather, gather); in place, the input is the rank's chunk of the output."""
+    c = per_rank_count(count, nranks, elem_size)
+    return Counts(send=c, recv=c * nranks, param=c, send_inplace_offset=c)
+
+
+def scattering_counts(count: int, nranks: int, elem_size: int) -> Counts:
+    """n·c in, c out (reduce_scatter, scatter); in place, the output is the rank's chunk of the input."""
+    c = per_rank_count(count, nranks, elem_size)
+    return Counts(send=c * nranks, recv=c, param=c, recv_inplace_offset=c)
+
+
+def copy_then(send: torch.Tensor, recv: torch.Tensor, fn, *args) -> Callable[[], None]:
+    """Out-of-place through an in-place API (all_reduce, broadcast, reduce take one tensor, as in
+    torch.distributed): copy the input into the output, then fn(*args). Both implementations pay it."""
+    copy = recv.copy_
+
+    def out_of_place():
+        copy(send)
+        fn(*args)
+    return out_of_place
+
+
 class Collective:
     name: str = ""
     has_redop: bool = False

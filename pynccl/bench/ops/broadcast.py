@@ -1,10 +1,8 @@
 """broadcast: root's input reaches every rank; busbw = algbw.
-
-The API broadcasts in place; out-of-place copies root's input into its output first.
-"""
+The API broadcasts in place: out-of-place copies root's input into its output first."""
 import functools
 
-from .base import Collective, Counts, Segment
+from .base import Collective, Segment, copy_then, whole_counts
 
 
 class Broadcast(Collective):
@@ -12,7 +10,7 @@ class Broadcast(Collective):
     has_root = True
 
     def counts(self, count, nranks, elem_size):
-        return Counts(send=count, recv=count, param=count)
+        return whole_counts(count)
 
     def bus_factor(self, nranks):
         return 1.0
@@ -21,12 +19,7 @@ class Broadcast(Collective):
         return [Segment(0, counts.recv, root, 0)]
 
     def make_call(self, impl, send, recv, in_place, spec):
-        broadcast, root, group = impl.api.broadcast, spec.root, impl.group
-        if in_place or spec.rank != root:
-            return functools.partial(broadcast, recv, root, group)
-        copy = recv.copy_
-
-        def out_of_place():
-            copy(send)
-            broadcast(recv, root, group)
-        return out_of_place
+        args = (recv, spec.root, impl.group)
+        if in_place or spec.rank != spec.root:
+            return functools.partial(impl.api.broadcast, *args)
+        return copy_then(send, recv, impl.api.broadcast, *args)

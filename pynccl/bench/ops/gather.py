@@ -2,7 +2,7 @@
 busbw = algbw × (n-1)/n. In place, each rank's input is its own chunk of root's output."""
 import functools
 
-from .base import Collective, Counts, Segment, per_rank_count
+from .base import Collective, Segment, gathering_counts
 
 
 class Gather(Collective):
@@ -10,8 +10,7 @@ class Gather(Collective):
     has_root = True
 
     def counts(self, count, nranks, elem_size):
-        c = per_rank_count(count, nranks, elem_size)
-        return Counts(send=c, recv=c * nranks, param=c, send_inplace_offset=c)
+        return gathering_counts(count, nranks, elem_size)
 
     def bus_factor(self, nranks):
         return (nranks - 1) / nranks

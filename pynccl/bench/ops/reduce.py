@@ -1,9 +1,8 @@
 """reduce: root ends with the reduction of all inputs (other ranks' outputs are not checked);
-busbw = algbw. The API reduces in place; out-of-place copies the input into the output first.
-"""
+busbw = algbw. The API reduces in place: out-of-place copies the input in first."""
 import functools
 
-from .base import ALL, Collective, Counts, Segment
+from .base import ALL, Collective, Segment, copy_then, whole_counts
 
 
 class Reduce(Collective):
@@ -12,7 +11,7 @@ class Reduce(Collective):
     has_root = True
 
     def counts(self, count, nranks, elem_size):
-        return Counts(send=count, recv=count, param=count)
+        return whole_counts(count)
 
     def bus_factor(self, nranks):
         return 1.0
@@ -21,12 +20,7 @@ class Reduce(Collective):
         return [Segment(0, counts.recv, ALL, 0)] if rank == root else []
 
     def make_call(self, impl, send, recv, in_place, spec):
-        reduce, root, op, group = impl.api.reduce, spec.root, spec.redop, impl.group
+        args = (recv, spec.root, spec.redop, impl.group)
         if in_place:
-            return functools.partial(reduce, recv, root, op, group)
-        copy = recv.copy_
-
-        def out_of_place():
-            copy(send)
-            reduce(recv, root, op, group)
-        return out_of_place
+            return functools.partial(impl.api.reduce, *args)
+        return copy_then(send, recv, impl.api.reduce, *args)

@@ -2,7 +2,7 @@
 busbw = algbw × (n-1)/n. In place, the output is the rank's own chunk of the input."""
 import functools
 
-from .base import ALL, Collective, Counts, Segment, per_rank_count
+from .base import ALL, Collective, Segment, scattering_counts
 
 
 class ReduceScatter(Collective):
@@ -10,15 +10,13 @@ class ReduceScatter(Collective):
     has_redop = True
 
     def counts(self, count, nranks, elem_size):
-        c = per_rank_count(count, nranks, elem_size)
-        return Counts(send=c * nranks, recv=c, param=c, recv_inplace_offset=c)
+        return scattering_counts(count, nranks, elem_size)
 
     def bus_factor(self, nranks):
         return (nranks - 1) / nranks
 
     def expected(self, rank, nranks, root, counts):
-        c = counts.param
-        return [Segment(0, c, ALL, rank * c)]
+        return [Segment(0, counts.param, ALL, rank * counts.param)]
 
     def make_call(self, impl, send, recv, in_place, spec):
         return functools.partial(impl.api.reduce_scatter_tensor, recv, send, spec.redop, impl.group)

@@ -2,7 +2,7 @@
 In place, each rank's output is its own chunk of root's input."""
 import functools
 
-from .base import Collective, Counts, Segment, per_rank_count
+from .base import Collective, Segment, scattering_counts
 
 
 class Scatter(Collective):
@@ -10,15 +10,13 @@ class Scatter(Collective):
     has_root = True
 
     def counts(self, count, nranks, elem_size):
-        c = per_rank_count(count, nranks, elem_size)
-        return Counts(send=c * nranks, recv=c, param=c, recv_inplace_offset=c)
+        return scattering_counts(count, nranks, elem_size)
 
     def bus_factor(self, nranks):
         return (nranks - 1) / nranks
 
     def expected(self, rank, nranks, root, counts):
-        c = counts.param
-        return [Segment(0, c, root, rank * c)]
+        return [Segment(0, counts.param, root, rank * counts.param)]
 
     def make_call(self, impl, send, recv, in_place, spec):
         c = spec.counts.param

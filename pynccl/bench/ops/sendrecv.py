@@ -1,6 +1,6 @@
 """sendrecv: each rank sends N elements to rank+1 and receives from rank-1 in one grouped
 call; busbw = algbw. In-place results are undefined (N/A), as in nccl-tests."""
-from .base import Collective, Counts, Segment
+from .base import Collective, Segment, whole_counts
 
 
 class SendRecv(Collective):
@@ -8,7 +8,7 @@ class SendRecv(Collective):
     in_place_checked = False
 
     def counts(self, count, nranks, elem_size):
-        return Counts(send=count, recv=count, param=count)
+        return whole_counts(count)
 
     def bus_factor(self, nranks):
         return 1.0
