@@ -28,6 +28,7 @@ from .. import distributed as dist
 from ..distributed import ProcessGroup
 from . import checkpoint, clip
 from . import state_dict as _state_dict
+from .memory import held_bytes
 from .mixed_precision import MixedPrecision, cast_inputs, check_policy
 from .params import collect_params, detach_from_modules, install, named_buffers_all
 from .stage3 import ShardedParamsRuntime
@@ -175,6 +176,5 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ introspection
     def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
         """Bytes this rank holds now in parameters, gradients and optimizer state, counted
-        from the distinct tensor storages (what ZeRO's memory formulas count)."""
-        from .memory import held_bytes
+        from the distinct tensor storages (what ZeRO's memory formulas count); see memory.py."""
         return held_bytes(self, optimizer)

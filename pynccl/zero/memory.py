@@ -33,9 +33,16 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
 
 
 def held_bytes(model, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+    """{"params", "grads", "optim", "total"} in bytes, and "detail": bytes per role
+    (params_full: compute-dtype full/gathered buffers, params_shard: master shards,
+    grads_unreduced, grads_in_flight: reduce-scatter buffers, grads_shard, params_frozen)."""
     held = model._runtime.held_tensors()
-    frozen = [info.frozen_master for info in model._param_infos if info.frozen_master is not None]
-    out = {"params": storage_bytes(list(held["params"]) + frozen), "grads": storage_bytes(held["grads"]),
-           "optim": storage_bytes(optimizer_state_tensors(optimizer)) if optimizer is not None else 0}
+    held["params_frozen"] = [info.frozen_master for info in model._param_infos]
+    held["optim"] = list(optimizer_state_tensors(optimizer)) if optimizer is not None else []
+    detail = {role: storage_bytes(tensors) for role, tensors in held.items()}
+    out = {"params": storage_bytes(held["params_full"] + held["params_shard"] + held["params_frozen"]),
+           "grads": storage_bytes(held["grads_unreduced"] + held["grads_in_flight"] + held["grads_shard"]),
+           "optim": detail.pop("optim")}
     out["total"] = out["params"] + out["grads"] + out["optim"]
+    out["detail"] = detail
     return out

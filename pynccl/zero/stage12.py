@@ -118,9 +118,8 @@ class ReplicatedParamsRuntime:
 
     # ------------------------------------------------------------------ introspection
     def held_tensors(self) -> dict:
-        """Tensors this runtime holds, by kind (for memory accounting)."""
-        params = [u.full for u in self.units] + [u.shard for u in self.units]
-        grads = [leaf.grad for ls in self.unit_leaves for leaf in ls if leaf.grad is not None]
-        grads += [u.shard.grad for u in self.units if u.shard.grad is not None]
-        grads += [t for p in self.pending for t in (p.inp, p.out) if t is not None]
-        return {"params": params, "grads": grads}
+        """Tensors this runtime holds, by role (for memory accounting)."""
+        return {"params_full": [u.full for u in self.units], "params_shard": [u.shard for u in self.units],
+                "grads_unreduced": [leaf.grad for ls in self.unit_leaves for leaf in ls],
+                "grads_in_flight": [t for p in self.pending for t in (p.inp, p.out)],
+                "grads_shard": [u.shard.grad for u in self.units]}

@@ -207,8 +207,8 @@ class ShardedParamsRuntime:
 
     # ------------------------------------------------------------------ introspection
     def held_tensors(self) -> dict:
-        params = [u.full for u in self.units] + [u.shard for u in self.units]
-        grads = [u.full.grad for u in self.units if u.full.grad is not None]
-        grads += [u.shard.grad for u in self.units if u.shard.grad is not None]
-        grads += [t for p in self.pending for t in (p.inp, p.out) if t is not None]
-        return {"params": params, "grads": grads}
+        """Tensors this runtime holds, by role (for memory accounting)."""
+        return {"params_full": [u.full for u in self.units], "params_shard": [u.shard for u in self.units],
+                "grads_unreduced": [u.full.grad for u in self.units],
+                "grads_in_flight": [t for p in self.pending for t in (p.inp, p.out)],
+                "grads_shard": [u.shard.grad for u in self.units]}
