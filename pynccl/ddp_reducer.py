@@ -28,20 +28,11 @@ def coalesced_broadcaster(tensors: Sequence[torch.Tensor]) -> Callable:
     @torch.no_grad()
     def broadcast(backend) -> None:
         for ts, flat in groups:
-            # pack/unpack are the fused kernels for floating point; integer buffers (BatchNorm's
-            # num_batches_tracked) are a few bytes and take the plain path.
-            floating = flat.dtype.is_floating_point
             if backend.rank == 0:
-                if floating:
-                    backend.pack(ts, flat, 1.0)
-                else:
-                    torch.cat([t.reshape(-1) for t in ts], out=flat)
+                backend.pack(ts, flat, 1.0)
             backend.broadcast(flat, 0)
             if backend.rank != 0:
-                if floating:
-                    backend.unpack(flat, ts, 1.0)
-                else:
-                    torch._foreach_copy_(ts, [c.view(t.shape) for c, t in zip(flat.split([t.numel() for t in ts]), ts)])
+                backend.unpack(flat, ts, 1.0)
     return broadcast
 
 
