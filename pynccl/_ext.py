@@ -1,15 +1,73 @@
-# Placeholder written by the lead so the gloo layer imports; helper-1 owns this file: overwrite freely.
+"""Loading of the C++ extension pynccl._C and what it reports about NCCL.
+
+_C is imported once, eagerly and quietly: a machine without it (no CUDA torch, no nvcc) must
+still import pynccl and run the gloo backend. Whoever needs _C calls `require_extension(what)`,
+which raises an ImportError that says how to build it and carries the original import error.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch  # noqa: F401  (loads libtorch and torch's libnccl.so.2 before _C needs them)
+
 try:
-    from . import _C  # noqa: F401
-except ImportError as e:  # pragma: no cover
+    from pynccl import _C
+    _IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as e:  # not built, or built against another torch/NCCL
     _C = None
     _IMPORT_ERROR = e
 
+_BUILD_HINT = (
+    "build it with `pip install --no-build-isolation -e .` from the pynccl checkout, with a CUDA build of "
+    "torch and a CUDA compiler (nvcc; set CUDA_HOME if it is not found) installed"
+)
 
-def nccl_version():
-    return None
+
+def available() -> bool:
+    """True when pynccl._C imported (the nccl backend can be used)."""
+    return _C is not None
 
 
-def require_extension(what):
-    if _C is None:
-        raise RuntimeError(f"{what} needs pynccl._C: {_IMPORT_ERROR}")
+def import_error() -> Optional[BaseException]:
+    """Why pynccl._C did not import, or None."""
+    return _IMPORT_ERROR
+
+
+def require_extension(what: str):
+    """Return pynccl._C, or raise an ImportError saying that `what` needs it and how to build it."""
+    if _C is not None:
+        return _C
+    raise ImportError(f"{what} needs pynccl's C++ extension (pynccl._C), which could not be imported: "
+                      f"{_IMPORT_ERROR!r}; {_BUILD_HINT}") from _IMPORT_ERROR
+
+
+def _decode(code: int) -> Tuple[int, int, int]:
+    # NCCL_VERSION(X, Y, Z): X*1000 + Y*100 + Z up to 2.8, X*10000 + Y*100 + Z after.
+    if code < 10000:
+        return code // 1000, (code % 1000) // 100, code % 100
+    return code // 10000, (code % 10000) // 100, code % 100
+
+
+class NcclVersion(NamedTuple):
+    build: Tuple[int, int, int]    # NCCL_VERSION_CODE of the headers _C was compiled with
+    runtime: Tuple[int, int, int]  # ncclGetVersion() of the libnccl loaded in this process
+
+
+def nccl_version() -> NcclVersion:
+    """NCCL versions as (major, minor, patch): the build-time headers' and the loaded library's."""
+    c = require_extension("pynccl.nccl_version()")
+    return NcclVersion(build=_decode(c.nccl_version_build()), runtime=_decode(c.nccl_version_runtime()))
+
+
+def loaded_nccl_libraries() -> list:
+    """Paths of every libnccl mapped into this process (DESIGN.md §2: there must be one)."""
+    paths = set()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                if "libnccl.so" in path.rsplit("/", 1)[-1]:
+                    paths.add(path)
+    except OSError:  # not Linux
+        pass
+    return sorted(paths)

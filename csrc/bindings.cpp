@@ -1,0 +1,218 @@
+// pynccl._C: registers what the other files define, nothing else. Ops take `op` as a plain int
+// (a pynccl.ReduceOp) or a PremulSum object, so pynccl/backends/nccl.py can bind these methods
+// as its own attributes and a SUM pays for one PyLong_Check. Host waits release the GIL.
+#include <pybind11/stl.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/extension.h>
+
+#include "bucket.h"
+#include "check.h"
+#include "communicator.h"
+#include "dtypes.h"
+#include "nccl_api.h"
+#include "work.h"
+
+namespace py = pybind11;
+
+namespace pynccl {
+namespace {
+
+struct OpArg {
+  int op;
+  double factor;
+};
+
+// A pynccl.ReduceOp (an int), or pynccl.ReduceOp.premul_sum(f) (an object with a float `factor`).
+OpArg parse_op(py::handle op, double premul_factor) {
+  PyObject* obj = op.ptr();
+  if (__builtin_expect(PyLong_Check(obj), 1)) {
+    const long value = PyLong_AsLong(obj);
+    if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
+    return {static_cast<int>(value), premul_factor};
+  }
+  if (py::hasattr(op, "factor")) return {static_cast<int>(ReduceOp::kPremulSum), op.attr("factor").cast<double>()};
+  throw py::type_error("op must be a pynccl.ReduceOp or ReduceOp.premul_sum(factor), got " +
+                       py::repr(op).cast<std::string>());
+}
+
+void set_python_error(const char* class_name, const char* message) {
+  try {
+    py::object cls = py::module_::import("pynccl.errors").attr(class_name);
+    PyErr_SetString(cls.ptr(), message);
+  } catch (py::error_already_set&) {
+    PyErr_Clear();  // pynccl.errors unimportable (broken install): still raise, as RuntimeError
+    PyErr_SetString(PyExc_RuntimeError, message);
+  }
+}
+
+py::dict entry_to_dict(const FlightEntry& e) {
+  py::dict d;
+  d["seq"] = e.seq;
+  d["op"] = e.op;
+  d["dtype"] = c10::toString(e.dtype);
+  d["count"] = e.count;
+  d["peer"] = e.peer;
+  d["async_op"] = e.async_op;
+  d["enqueue_time_us"] = e.enqueue_us;
+  d["state"] = op_state_name(e.state);
+  return d;
+}
+
+std::vector<at::Tensor> or_empty(const std::optional<std::vector<at::Tensor>>& list) {
+  return list ? *list : std::vector<at::Tensor>{};
+}
+
+}  // namespace
+}  // namespace pynccl
+
+PYBIND11_MODULE(_C, m) {
+  using namespace pynccl;
+  m.doc() = "pynccl's C++ core: NCCL communicators, collectives, watchdog, fused bucket kernels.";
+
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const TimeoutError& e) {
+      set_python_error("CommTimeoutError", e.what());
+    } catch (const Error& e) {
+      set_python_error("PyncclError", e.what());
+    } catch (const c10::Error&) {
+      // ValueError/TypeError/OutOfMemoryError/... exactly as torch's own functions raise them.
+      torch::translate_exception_to_python(std::current_exception());
+    }
+  });
+
+  m.def("nccl_version_build", [] { return NCCL_VERSION_CODE; }, "NCCL_VERSION_CODE of the headers pynccl was built with.");
+  m.def("nccl_version_runtime", &nccl_runtime_version, "ncclGetVersion() of the loaded libnccl.");
+  m.def(
+      "get_unique_id",
+      [] {
+        ncclUniqueId id;
+        {
+          py::gil_scoped_release release;
+          // ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId);
+          PYNCCL_CHECK_NCCL(ncclGetUniqueId(&id));
+        }
+        return py::bytes(id.internal, sizeof(id.internal));
+      },
+      "A fresh ncclUniqueId (128 bytes) for rank 0 to share with the others.");
+  m.def("native_alltoall_available", [] { return optional_nccl_api().alltoall != nullptr; },
+        "Whether ncclAlltoAll/Gather/Scatter (NCCL >= 2.28) are used.");
+  m.def("pack", &pack, py::arg("tensors"), py::arg("flat"), py::arg("scale") = 1.0,
+        "Copy tensors back to back into flat, times scale, cast to flat's dtype; one launch per 120 tensors.");
+  m.def("unpack", &unpack, py::arg("flat"), py::arg("tensors"), py::arg("scale") = 1.0,
+        "The inverse of pack: tensors[i] = flat's i-th segment times scale, cast to the tensors' dtype.");
+
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work", "Handle of an op started with async_op=True.")
+      .def("wait", [](Work& w, py::object /*timeout*/) { return w.wait(std::nullopt); }, py::arg("timeout") = py::none(),
+           "The current CUDA stream waits for the op (no host block); then the op's tensors are released.")
+      .def("is_completed", &Work::is_completed)
+      .def("synchronize", &Work::synchronize, py::arg("timeout_s") = py::none(),
+           py::call_guard<py::gil_scoped_release>(),
+           "Block the host until the op completes, bounded by timeout_s (default: the communicator's); on timeout "
+           "the communicator is aborted and CommTimeoutError raised.")
+      .def_property_readonly("seq", &Work::seq)
+      .def_property_readonly("op", [](const Work& w) { return std::string(w.op()); })
+      .def("__repr__", [](const Work& w) { return "<pynccl._C.Work " + std::string(w.op()) + " seq=" + std::to_string(w.seq()) + ">"; });
+
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
+      .def(py::init([](py::bytes unique_id, int world_size, int rank, int device, double timeout_s, bool blocking,
+                       std::string name, int cga_cluster_size, int min_ctas, int max_ctas) {
+             std::string id = unique_id;
+             CommOptions options{timeout_s, blocking, std::move(name), cga_cluster_size, min_ctas, max_ctas};
+             py::gil_scoped_release release;
+             return std::make_shared<Communicator>(id, world_size, rank, device, std::move(options));
+           }),
+           py::arg("unique_id"), py::arg("world_size"), py::arg("rank"), py::arg("device"),
+           py::arg("timeout_s") = 600.0, py::arg("blocking") = false, py::arg("name") = "",
+           py::arg("cga_cluster_size") = -1, py::arg("min_ctas") = -1, py::arg("max_ctas") = -1)
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("world_size", &Communicator::world_size)
+      .def_property_readonly("device", &Communicator::device)
+      .def_property_readonly("name", &Communicator::name)
+      .def_property_readonly("seq", &Communicator::seq, "Ops enqueued so far.")
+      .def_property("timeout_s", &Communicator::timeout_s, &Communicator::set_timeout_s)
+      .def_property("track_sync_ops", &Communicator::track_sync_ops, &Communicator::set_track_sync_ops,
+                    "Whether the watchdog also times ops with async_op=False (one event record each).")
+      .def_property("flight_recorder_size", &Communicator::flight_recorder_size, &Communicator::set_flight_recorder_size)
+      // --- collectives --------------------------------------------------------------------
+      .def("all_reduce",
+           [](Communicator& c, const at::Tensor& tensor, py::handle op, bool async_op, double premul_factor) {
+             const OpArg o = parse_op(op, premul_factor);
+             return c.all_reduce(tensor, o.op, async_op, o.factor);
+           },
+           py::arg("tensor"), py::arg("op") = 0, py::arg("async_op") = false, py::arg("premul_factor") = 1.0)
+      .def("broadcast", &Communicator::broadcast, py::arg("tensor"), py::arg("root"), py::arg("async_op") = false)
+      .def("reduce",
+           [](Communicator& c, const at::Tensor& tensor, int root, py::handle op, bool async_op, double premul_factor) {
+             const OpArg o = parse_op(op, premul_factor);
+             return c.reduce(tensor, root, o.op, async_op, o.factor);
+           },
+           py::arg("tensor"), py::arg("root"), py::arg("op") = 0, py::arg("async_op") = false,
+           py::arg("premul_factor") = 1.0)
+      .def("all_gather", &Communicator::all_gather, py::arg("output_list"), py::arg("input"),
+           py::arg("async_op") = false)
+      .def("all_gather_into_tensor", &Communicator::all_gather_into_tensor, py::arg("output"), py::arg("input"),
+           py::arg("async_op") = false)
+      .def("reduce_scatter",
+           [](Communicator& c, const at::Tensor& output, const std::vector<at::Tensor>& input_list, py::handle op,
+              bool async_op, double premul_factor) {
+             const OpArg o = parse_op(op, premul_factor);
+             return c.reduce_scatter(output, input_list, o.op, async_op, o.factor);
+           },
+           py::arg("output"), py::arg("input_list"), py::arg("op") = 0, py::arg("async_op") = false,
+           py::arg("premul_factor") = 1.0)
+      .def("reduce_scatter_tensor",
+           [](Communicator& c, const at::Tensor& output, const at::Tensor& input, py::handle op, bool async_op,
+              double premul_factor) {
+             const OpArg o = parse_op(op, premul_factor);
+             return c.reduce_scatter_tensor(output, input, o.op, async_op, o.factor);
+           },
+           py::arg("output"), py::arg("input"), py::arg("op") = 0, py::arg("async_op") = false,
+           py::arg("premul_factor") = 1.0)
+      .def("all_to_all", &Communicator::all_to_all, py::arg("output_list"), py::arg("input_list"),
+           py::arg("async_op") = false)
+      .def("all_to_all_single",
+           [](Communicator& c, const at::Tensor& output, const at::Tensor& input,
+              const std::optional<std::vector<int64_t>>& output_split_sizes,
+              const std::optional<std::vector<int64_t>>& input_split_sizes, bool async_op) {
+             return c.all_to_all_single(output, input, output_split_sizes.value_or(std::vector<int64_t>{}),
+                                        input_split_sizes.value_or(std::vector<int64_t>{}), async_op);
+           },
+           py::arg("output"), py::arg("input"), py::arg("output_split_sizes") = py::none(),
+           py::arg("input_split_sizes") = py::none(), py::arg("async_op") = false)
+      .def("gather",
+           [](Communicator& c, const at::Tensor& input, const std::optional<std::vector<at::Tensor>>& gather_list,
+              int root, bool async_op) { return c.gather(input, or_empty(gather_list), root, async_op); },
+           py::arg("input"), py::arg("gather_list"), py::arg("root"), py::arg("async_op") = false)
+      .def("scatter",
+           [](Communicator& c, const at::Tensor& output, const std::optional<std::vector<at::Tensor>>& scatter_list,
+              int root, bool async_op) { return c.scatter(output, or_empty(scatter_list), root, async_op); },
+           py::arg("output"), py::arg("scatter_list"), py::arg("root"), py::arg("async_op") = false)
+      .def("send", &Communicator::send, py::arg("tensor"), py::arg("peer"), py::arg("async_op") = false)
+      .def("recv", &Communicator::recv, py::arg("tensor"), py::arg("peer"), py::arg("async_op") = false)
+      .def("batch_isend_irecv", &Communicator::batch_isend_irecv, py::arg("ops"),
+           "ops: list of (is_send, tensor, peer); one NCCL group on the communicator's stream. Returns a Work.")
+      .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
+      // --- life cycle -----------------------------------------------------------------------
+      .def("split", &Communicator::split, py::arg("color"), py::arg("key"), py::arg("timeout_s") = py::none(),
+           py::arg("name") = "", py::call_guard<py::gil_scoped_release>(),
+           "Collective: the communicator of the ranks that passed the same color (ordered by key), or None for "
+           "color < 0.")
+      .def("abort", &Communicator::abort, py::call_guard<py::gil_scoped_release>())
+      .def("destroy", &Communicator::destroy, py::call_guard<py::gil_scoped_release>())
+      .def("is_aborted", &Communicator::is_aborted)
+      .def("get_async_error", &Communicator::get_async_error)
+      .def("check", &Communicator::check)
+      .def("flight_record",
+           [](const Communicator& c) {
+             py::list out;
+             for (const auto& e : c.flight_record()) out.append(entry_to_dict(e));
+             return out;
+           },
+           "The last flight_recorder_size ops, oldest first, as dicts.")
+      .def("__repr__", [](const Communicator& c) {
+        return "<pynccl._C.Communicator '" + c.name() + "' rank " + std::to_string(c.rank()) + " of " +
+               std::to_string(c.world_size()) + " on cuda:" + std::to_string(c.device()) + ">";
+      });
+}

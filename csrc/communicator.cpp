@@ -1,0 +1,491 @@
+// Communicator life cycle: init from a unique id (non-blocking by default, so init, split and
+// finalize are all bounded by the timeout), split, abort, destroy, and the OpScope every op
+// goes through. The watchdog and flight recorder are in watchdog.cpp.
+#include "communicator.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "check.h"
+#include "nccl_api.h"
+
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
+#error "pynccl needs NCCL >= 2.18 headers (ncclCommSplit, ncclConfig_t)"
+#endif
+
+namespace pynccl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::atomic<int> g_num_comms{0};
+
+int env_int(const char* name, int default_value) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || value[0] == '\0') return default_value;
+  return std::atoi(value);
+}
+
+ncclConfig_t make_config(const CommOptions& options) {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = options.blocking ? 1 : 0;
+  if (options.cga_cluster_size >= 0) config.cgaClusterSize = options.cga_cluster_size;
+  if (options.min_ctas > 0) config.minCTAs = options.min_ctas;
+  if (options.max_ctas > 0) config.maxCTAs = options.max_ctas;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+  // NOTE: points into options.name, which outlives the init call.
+  config.commName = options.name.c_str();
+#endif
+  return config;
+}
+
+// What wait_comm_ready returns when another thread started to abort the communicator.
+constexpr ncclResult_t kAbortRequested = ncclNumResults;  // never a real result
+
+// Polls ncclCommGetAsyncError until `comm` leaves ncclInProgress; returns its state, or
+// ncclInProgress when `timeout_s` passed first, or kAbortRequested as soon as `*state_flag`
+// leaves kOk (an abort waits for in-flight calls: this one must let it go ahead).
+ncclResult_t wait_comm_ready(ncclComm_t comm, double timeout_s, const std::atomic<int>* state_flag = nullptr) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  auto nap = std::chrono::microseconds(1);
+  for (int num_polls = 0;; ++num_polls) {
+    ncclResult_t state = ncclSuccess;
+    // ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError);
+    const ncclResult_t result = ncclCommGetAsyncError(comm, &state);
+    if (result != ncclSuccess) return result;
+    if (state != ncclInProgress) return state;
+    if (state_flag != nullptr && state_flag->load() != static_cast<int>(CommState::kOk)) return kAbortRequested;
+    if (Clock::now() > deadline) return ncclInProgress;
+    if (num_polls < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(1000));
+    }
+  }
+}
+
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.3g s", s);
+  return buf;
+}
+
+// Keeps in_flight_ raised for a call that is not an op (split, get_async_error).
+struct InFlight {
+  explicit InFlight(std::atomic<int>& count) : count(count) { count.fetch_add(1); }
+  ~InFlight() { count.fetch_sub(1); }
+  std::atomic<int>& count;
+};
+
+}  // namespace
+
+const char* op_state_name(OpState state) {
+  switch (state) {
+    case OpState::kEnqueued: return "enqueued";
+    case OpState::kCompleted: return "completed";
+    case OpState::kFailed: return "failed";
+    case OpState::kTimedOut: return "timed_out";
+    case OpState::kAborted: return "aborted";
+    case OpState::kCaptured: return "captured";
+    case OpState::kUntracked: return "untracked";
+  }
+  return "?";
+}
+
+Communicator::Communicator(const std::string& unique_id, int world_size, int rank, int device, CommOptions options)
+    : world_size_(world_size), rank_(rank), device_(device), options_(std::move(options)),
+      timeout_s_(options_.timeout_s) {
+  TORCH_CHECK_VALUE(unique_id.size() == sizeof(ncclUniqueId), "Communicator: unique_id must be ",
+                    sizeof(ncclUniqueId), " bytes (from get_unique_id()), got ", unique_id.size());
+  TORCH_CHECK_VALUE(world_size >= 1, "Communicator: world_size must be >= 1, got ", world_size);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "Communicator: rank ", rank, " is out of range for world_size ",
+                    world_size);
+  TORCH_CHECK_VALUE(options_.timeout_s > 0, "Communicator: timeout_s must be > 0, got ", options_.timeout_s);
+  if (options_.name.empty()) options_.name = "comm" + std::to_string(g_num_comms.fetch_add(1));
+
+  const int runtime = nccl_runtime_version();
+  if (runtime < kMinRuntimeVersion) {
+    throw Error("Communicator: pynccl needs NCCL >= " + nccl_version_string(kMinRuntimeVersion) +
+                " at run time, but this process loaded NCCL " + nccl_version_string(runtime));
+  }
+  int num_devices = 0;
+  const cudaError_t err = cudaGetDeviceCount(&num_devices);
+  if (err != cudaSuccess || num_devices == 0) {
+    (void)cudaGetLastError();
+    throw Error(std::string("Communicator: the nccl backend needs a CUDA GPU, but none is usable here (") +
+                (err != cudaSuccess ? std::string("cudaGetDeviceCount: ") + cudaGetErrorName(err) + ": " +
+                                          cudaGetErrorString(err)
+                                    : std::string("cudaGetDeviceCount found 0 devices")) +
+                "); use the gloo backend on machines without a GPU");
+  }
+  TORCH_CHECK_VALUE(device >= 0 && device < num_devices, "Communicator: device ", device,
+                    " is out of range: this process sees ", num_devices, " CUDA device(s)");
+
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  ncclUniqueId id;
+  std::memcpy(&id, unique_id.data(), sizeof(id));
+  ncclConfig_t config = make_config(options_);
+  ncclComm_t comm = nullptr;
+  // ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
+  //                                     ncclConfig_t* config);
+  ncclResult_t result = ncclCommInitRankConfig(&comm, world_size, id, rank, &config);
+  if (comm != nullptr && (result == ncclInProgress || (result == ncclSuccess && !options_.blocking))) {
+    result = wait_comm_ready(comm, options_.timeout_s);
+  }
+  if (result != ncclSuccess) {
+    const std::string last = comm != nullptr ? ncclGetLastError(comm) : ncclGetLastError(nullptr);
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+    const std::string where = "Communicator '" + options_.name + "' (rank " + std::to_string(rank) + " of " +
+                              std::to_string(world_size) + ", cuda:" + std::to_string(device) + "): ";
+    if (result == ncclInProgress) {
+      throw TimeoutError(where + "ncclCommInitRankConfig did not complete within " + seconds_text(options_.timeout_s) +
+                         "; the communicator was aborted (did every rank call it with the same unique id?)");
+    }
+    throw Error(where + "ncclCommInitRankConfig failed: " + ncclGetErrorString(result) +
+                (last.empty() ? "" : " (last NCCL error: " + last + ")"));
+  }
+  comm_ = comm;
+  start_or_abort();
+}
+
+Communicator::Communicator(PrivateTag, ncclComm_t comm, int world_size, int rank, int device, CommOptions options)
+    : world_size_(world_size), rank_(rank), device_(device), options_(std::move(options)), comm_(comm),
+      timeout_s_(options_.timeout_s) {
+  start_or_abort();
+}
+
+void Communicator::start_or_abort() {
+  try {
+    start();
+  } catch (...) {
+    (void)ncclCommAbort(comm_);  // NOTE: the destructor does not run for a throwing constructor
+    comm_ = nullptr;
+    throw;
+  }
+}
+
+void Communicator::start() {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  comm_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, static_cast<c10::DeviceIndex>(device_));
+  events_ = std::make_shared<EventPool>(device_, /*num_preallocated=*/16);
+  ring_.resize(static_cast<size_t>(std::max(1, env_int("PYNCCL_FLIGHT_RECORDER_SIZE", 64))));
+  use_native_alltoall_ = env_int("PYNCCL_NATIVE_ALLTOALL", 1) != 0;
+  watchdog_poll_ = std::chrono::milliseconds(std::max(1, env_int("PYNCCL_WATCHDOG_POLL_MS", 100)));
+  epoch_offset_us_ = std::chrono::duration_cast<std::chrono::microseconds>(
+                         std::chrono::system_clock::now().time_since_epoch()).count() -
+                     std::chrono::duration_cast<std::chrono::microseconds>(Clock::now().time_since_epoch()).count();
+  watchdog_ = std::thread([this] { watchdog_loop(); });
+}
+
+Communicator::~Communicator() {
+  // NOTE: never a collective here (DESIGN.md §4): a communicator dropped without destroy()
+  // is aborted, which is local. Errors are swallowed: destructors never throw.
+  try {
+    stop_watchdog();
+    if (comm_ != nullptr) {
+      c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    release_tracked();
+  } catch (...) {
+  }
+}
+
+std::string Communicator::describe() const {
+  return "communicator '" + options_.name + "' (rank " + std::to_string(rank_) + " of " + std::to_string(world_size_) +
+         ", cuda:" + std::to_string(device_) + ")";
+}
+
+void Communicator::set_timeout_s(double timeout_s) {
+  TORCH_CHECK_VALUE(timeout_s > 0, "timeout_s must be > 0, got ", timeout_s);
+  timeout_s_.store(timeout_s);
+}
+
+void Communicator::throw_unusable(const char* fn) const {
+  const std::string prefix = std::string(fn) + ": " + describe();
+  if (state_.load() == static_cast<int>(CommState::kDestroyed)) throw Error(prefix + " was destroyed");
+  std::lock_guard<std::mutex> lock(error_mutex_);
+  if (error_message_.empty()) throw Error(prefix + " was aborted (abort() was called)");
+  if (error_is_timeout_) throw TimeoutError(prefix + " was aborted: " + error_message_);
+  throw Error(prefix + " was aborted: " + error_message_);
+}
+
+void Communicator::finish_nccl_call(ncclResult_t result, const char* call, const char* file, int line) {
+  if (result == ncclInProgress) {
+    const double timeout = timeout_s();
+    result = wait_comm_ready(comm_, timeout, &state_);
+    if (result == ncclSuccess) return;
+    if (result == kAbortRequested) throw_unusable(call);
+    if (result == ncclInProgress) {
+      const std::string msg = std::string(call) + " was still in progress after " + seconds_text(timeout);
+      fail(/*is_timeout=*/true, msg, /*caller_in_flight=*/true);
+      throw TimeoutError(describe() + ": " + msg + "; the communicator was aborted");
+    }
+  }
+  throw_nccl_error(result, call, file, line, comm_);
+}
+
+void Communicator::fail(bool is_timeout, const std::string& message, bool caller_in_flight) {
+  {
+    std::lock_guard<std::mutex> lock(error_mutex_);
+    if (error_message_.empty()) {
+      error_message_ = message;
+      error_is_timeout_ = is_timeout;
+    }
+  }
+  stop_watchdog();  // a no-op on the watchdog thread itself
+  abort_nccl(caller_in_flight);
+}
+
+void Communicator::abort_nccl(bool caller_in_flight) {
+  std::lock_guard<std::mutex> lock(lifecycle_mutex_);
+  int expected = static_cast<int>(CommState::kOk);
+  state_.compare_exchange_strong(expected, static_cast<int>(CommState::kAborted));
+  if (comm_ == nullptr) return;
+  // NOTE: state_ is set before in_flight_ is read, and ops raise in_flight_ before reading
+  // state_, so once in_flight_ drains no op can still be inside NCCL with comm_.
+  const int self = caller_in_flight ? 1 : 0;
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (in_flight_.load() > self && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  (void)cudaSetDevice(device_);
+  // ncclResult_t ncclCommAbort(ncclComm_t comm);
+  (void)ncclCommAbort(comm_);
+  comm_ = nullptr;
+}
+
+void Communicator::stop_watchdog() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_watchdog_ = true;
+  }
+  watchdog_cv_.notify_all();
+  if (std::this_thread::get_id() == watchdog_id_.load()) return;
+  std::lock_guard<std::mutex> lock(lifecycle_join_mutex_);
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+void Communicator::release_tracked() {
+  std::vector<TrackedOp> ops;
+  ops.swap(watch_list_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& op : new_ops_) ops.push_back(std::move(op));
+    new_ops_.clear();
+  }
+  std::vector<cudaEvent_t> events;
+  for (const auto& op : ops) {
+    if (!op.work) events.push_back(op.event);
+  }
+  events_->put_many(events);
+  ops.clear();  // drops WorkStates (and their tensors) on this thread
+  drain_graveyard();
+}
+
+void Communicator::drain_graveyard() {
+  std::vector<std::shared_ptr<WorkState>> dead;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    dead.swap(graveyard_);
+    graveyard_nonempty_.store(false, std::memory_order_relaxed);
+  }
+  // dead goes out of scope here, outside mutex_: a tensor's last release may need the GIL.
+}
+
+void Communicator::abort() {
+  stop_watchdog();
+  abort_nccl(/*caller_in_flight=*/false);
+  release_tracked();
+}
+
+bool Communicator::is_aborted() const { return state_.load() == static_cast<int>(CommState::kAborted); }
+
+void Communicator::destroy() {
+  stop_watchdog();
+  std::unique_lock<std::mutex> lock(lifecycle_mutex_);
+  state_.store(static_cast<int>(CommState::kDestroyed));
+  if (comm_ == nullptr) {  // aborted earlier, or destroyed twice: nothing collective left to do
+    lock.unlock();
+    release_tracked();
+    return;
+  }
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (in_flight_.load() > 0 && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  const double timeout = timeout_s();
+  // ncclResult_t ncclCommFinalize(ncclComm_t comm);
+  ncclResult_t result = ncclCommFinalize(comm_);
+  if (result == ncclInProgress || (result == ncclSuccess && !options_.blocking)) result = wait_comm_ready(comm_, timeout);
+  if (result != ncclSuccess) {
+    const std::string last = ncclGetLastError(comm_);
+    (void)ncclCommAbort(comm_);
+    comm_ = nullptr;
+    lock.unlock();
+    release_tracked();
+    if (result == ncclInProgress) {
+      throw TimeoutError("destroy: ncclCommFinalize on " + describe() + " did not complete within " +
+                         seconds_text(timeout) + "; the communicator was aborted (did every rank call destroy?)");
+    }
+    throw Error("destroy: ncclCommFinalize on " + describe() + " failed: " + ncclGetErrorString(result) +
+                (last.empty() ? "" : " (last NCCL error: " + last + ")") + "; the communicator was aborted");
+  }
+  // ncclResult_t ncclCommDestroy(ncclComm_t comm);
+  result = ncclCommDestroy(comm_);
+  comm_ = nullptr;
+  lock.unlock();
+  release_tracked();
+  if (result != ncclSuccess) throw_nccl_error(result, "ncclCommDestroy(comm_)", __FILE__, __LINE__, nullptr);
+}
+
+std::shared_ptr<Communicator> Communicator::split(int color, int key, std::optional<double> timeout_s,
+                                                  const std::string& name) {
+  check_usable("split");
+  const double timeout = timeout_s.value_or(this->timeout_s());
+  TORCH_CHECK_VALUE(timeout > 0, "split: timeout_s must be > 0, got ", timeout);
+  CommOptions child = options_;
+  child.timeout_s = timeout;
+  child.name = !name.empty() ? name : options_.name + ".split" + std::to_string(color);
+  ncclConfig_t config = make_config(child);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  InFlight in_flight(in_flight_);
+  check_usable("split");
+  ncclComm_t new_comm = nullptr;
+  // ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config);
+  ncclResult_t result = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &new_comm, &config);
+  if (result == ncclInProgress || (result == ncclSuccess && !options_.blocking)) {
+    // NOTE: a non-blocking split progresses on the parent; the child exists only where color >= 0.
+    result = wait_comm_ready(comm_, timeout, &state_);
+    if (result == ncclSuccess && new_comm != nullptr) result = wait_comm_ready(new_comm, timeout, &state_);
+  }
+  if (result != ncclSuccess) {
+    if (new_comm != nullptr) (void)ncclCommAbort(new_comm);
+    if (result == kAbortRequested) throw_unusable("split");
+    if (result == ncclInProgress) {
+      const std::string msg = "split(color=" + std::to_string(color) + ") did not complete within " + seconds_text(timeout);
+      fail(/*is_timeout=*/true, msg, /*caller_in_flight=*/true);
+      throw TimeoutError(describe() + ": " + msg + "; the communicator was aborted");
+    }
+    throw_nccl_error(result, "ncclCommSplit", __FILE__, __LINE__, comm_);
+  }
+  if (new_comm == nullptr) return nullptr;
+  int new_size = 0;
+  int new_rank = 0;
+  PYNCCL_CHECK_NCCL(ncclCommCount(new_comm, &new_size));
+  PYNCCL_CHECK_NCCL(ncclCommUserRank(new_comm, &new_rank));
+  return std::make_shared<Communicator>(PrivateTag{}, new_comm, new_size, new_rank, device_, std::move(child));
+}
+
+std::optional<std::string> Communicator::get_async_error() {
+  {
+    std::lock_guard<std::mutex> lock(error_mutex_);
+    if (!error_message_.empty()) return error_message_;
+  }
+  InFlight in_flight(in_flight_);
+  if (state_.load() != static_cast<int>(CommState::kOk)) return std::nullopt;
+  ncclResult_t state = ncclSuccess;
+  if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess || state == ncclSuccess || state == ncclInProgress) {
+    return std::nullopt;
+  }
+  const std::string last = ncclGetLastError(comm_);
+  return std::string(ncclGetErrorString(state)) + (last.empty() ? "" : " (last NCCL error: " + last + ")");
+}
+
+void Communicator::check() {
+  {
+    std::lock_guard<std::mutex> lock(error_mutex_);
+    if (!error_message_.empty()) {
+      const std::string msg = "check: " + describe() + " was aborted: " + error_message_;
+      if (error_is_timeout_) throw TimeoutError(msg);
+      throw Error(msg);
+    }
+  }
+  if (const auto error = get_async_error()) {
+    const std::string msg = "NCCL async error: " + *error;
+    fail(/*is_timeout=*/false, msg, /*caller_in_flight=*/false);
+    throw Error("check: " + describe() + " was aborted: " + msg);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+OpScope::OpScope(Communicator& owner, const char* op, c10::ScalarType dtype, int64_t count, int peer, bool async_op)
+    : owner_(owner), guard_(static_cast<c10::DeviceIndex>(owner.device_)), op_(op), dtype_(dtype), count_(count),
+      peer_(peer), async_op_(async_op) {
+  owner_.in_flight_.fetch_add(1);
+  try {
+    owner_.check_usable(op);
+    if (owner_.graveyard_nonempty_.load(std::memory_order_relaxed)) owner_.drain_graveyard();
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(owner_.device_));
+    tracked_ = async_op_ || owner_.track_sync_ops();
+    if (tracked_) {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      PYNCCL_CHECK_CUDA(cudaStreamIsCapturing(current.stream(), &status));
+      capturing_ = status != cudaStreamCaptureStatusNone;
+    }
+    if (async_op_) {
+      // The comm stream starts after everything already queued on the caller's stream.
+      cudaEvent_t ready = owner_.events_->get();
+      const cudaError_t record_err = cudaEventRecord(ready, current.stream());
+      const cudaError_t wait_err = record_err == cudaSuccess
+                                       ? cudaStreamWaitEvent(owner_.comm_stream_->stream(), ready, 0)
+                                       : cudaSuccess;
+      owner_.events_->put(ready);  // NOTE: the wait captured the record; the event may be reused now
+      PYNCCL_CHECK_CUDA(record_err);
+      PYNCCL_CHECK_CUDA(wait_err);
+      stream_ = *owner_.comm_stream_;
+    } else {
+      stream_ = current;
+    }
+    seq_ = owner_.seq_.fetch_add(1, std::memory_order_relaxed);
+    enqueued_ = std::chrono::steady_clock::now();
+  } catch (...) {
+    owner_.in_flight_.fetch_sub(1);
+    throw;
+  }
+}
+
+std::shared_ptr<Work> OpScope::finish() {
+  const bool watch = tracked_ && !capturing_;  // events recorded during capture cannot be polled
+  cudaEvent_t done = nullptr;
+  if (async_op_ || watch) {
+    done = owner_.events_->get();
+    const cudaError_t err = cudaEventRecord(done, stream_->stream());
+    if (err != cudaSuccess) {
+      owner_.events_->put(done);
+      PYNCCL_CHECK_CUDA(err);
+    }
+  }
+  std::shared_ptr<WorkState> work;
+  if (async_op_) {
+    work = std::make_shared<WorkState>(seq_, op_, done, capturing_, owner_.events_);
+    work->tensors = std::move(tensors_);
+  }
+  const OpState state = capturing_ ? OpState::kCaptured : (tracked_ ? OpState::kEnqueued : OpState::kUntracked);
+  const int64_t enqueue_us =
+      std::chrono::duration_cast<std::chrono::microseconds>(enqueued_.time_since_epoch()).count() +
+      owner_.epoch_offset_us_;
+  {
+    std::lock_guard<std::mutex> lock(owner_.mutex_);
+    owner_.ring_[seq_ % owner_.ring_.size()] = FlightEntry{seq_, op_, dtype_, count_, peer_, async_op_, enqueue_us, state};
+    if (watch) owner_.new_ops_.push_back(TrackedOp{seq_, op_, done, enqueued_, work});
+  }
+  finished_ = true;
+  if (!async_op_) return nullptr;
+  return std::make_shared<Work>(owner_.shared_from_this(), std::move(work));
+}
+
+OpScope::~OpScope() {
+  if (!finished_) {
+    // The op threw after it got a sequence number: leave a trace of it in the flight record.
+    try {
+      std::lock_guard<std::mutex> lock(owner_.mutex_);
+      owner_.ring_[seq_ % owner_.ring_.size()] = FlightEntry{seq_, op_, dtype_, count_, peer_, async_op_, 0, OpState::kFailed};
+    } catch (...) {
+    }
+  }
+  owner_.in_flight_.fetch_sub(1);
+}
+
+}  // namespace pynccl

@@ -1,0 +1,241 @@
+// class Communicator: owns one ncclComm_t, its stream, its event pool, its watchdog thread and
+// its flight recorder. Collectives live in collectives.cpp / p2p.cpp and go through one
+// OpScope each, which picks the stream (DESIGN.md §4), records the op in the flight recorder
+// and hands its completion event to the watchdog. Every NCCL call is made with in_flight_
+// raised, so abort() (from any thread) never frees the comm under a running call.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "work.h"
+
+namespace pynccl {
+
+struct CommOptions {
+  double timeout_s = 600.0;
+  bool blocking = false;   // ncclConfig_t.blocking; non-blocking lets every wait be bounded
+  std::string name;        // shows up in errors, the flight record file and NCCL's logs
+  int cga_cluster_size = -1;  // -1: NCCL's default
+  int min_ctas = -1;
+  int max_ctas = -1;
+};
+
+enum class OpState : uint8_t { kEnqueued, kCompleted, kFailed, kTimedOut, kAborted, kCaptured, kUntracked };
+const char* op_state_name(OpState state);
+
+// One op in the flight recorder ring.
+struct FlightEntry {
+  uint64_t seq = 0;
+  const char* op = nullptr;
+  c10::ScalarType dtype = c10::kFloat;
+  int64_t count = 0;       // elements this rank sends/contributes
+  int peer = -1;           // root or peer, -1 when the op has none
+  bool async_op = false;
+  int64_t enqueue_us = 0;  // microseconds since the Unix epoch
+  OpState state = OpState::kEnqueued;
+};
+
+// An op whose completion the watchdog waits for.
+struct TrackedOp {
+  uint64_t seq;
+  const char* op;
+  cudaEvent_t event;                      // owned here when work == nullptr, else by the WorkState
+  std::chrono::steady_clock::time_point enqueued;
+  std::shared_ptr<WorkState> work;        // async ops only
+};
+
+enum class CommState : int { kOk = 0, kAborted = 1, kDestroyed = 2 };
+
+class Communicator : public std::enable_shared_from_this<Communicator> {
+  struct PrivateTag {};
+
+ public:
+  // ncclCommInitRankConfig from a 128-byte unique id; bounded by options.timeout_s.
+  Communicator(const std::string& unique_id, int world_size, int rank, int device, CommOptions options);
+  // Wraps a comm made by split(); public only for std::make_shared.
+  Communicator(PrivateTag, ncclComm_t comm, int world_size, int rank, int device, CommOptions options);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  int device() const { return device_; }
+  const std::string& name() const { return options_.name; }
+  uint64_t seq() const { return seq_.load(std::memory_order_relaxed); }
+  double timeout_s() const { return timeout_s_.load(std::memory_order_relaxed); }
+  void set_timeout_s(double timeout_s);
+  bool track_sync_ops() const { return track_sync_ops_.load(std::memory_order_relaxed); }
+  void set_track_sync_ops(bool track) { track_sync_ops_.store(track, std::memory_order_relaxed); }
+  size_t flight_recorder_size() const;
+  void set_flight_recorder_size(size_t size);
+
+  // --- collectives (collectives.cpp); ranks are communicator-local --------------------------
+  std::shared_ptr<Work> all_reduce(const at::Tensor& tensor, int op, bool async_op, double premul_factor);
+  std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root, bool async_op);
+  std::shared_ptr<Work> reduce(const at::Tensor& tensor, int root, int op, bool async_op, double premul_factor);
+  std::shared_ptr<Work> all_gather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, bool async_op);
+  std::shared_ptr<Work> all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input, bool async_op);
+  std::shared_ptr<Work> reduce_scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int op,
+                                       bool async_op, double premul_factor);
+  std::shared_ptr<Work> reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input, int op,
+                                              bool async_op, double premul_factor);
+  // A 1-element all_reduce, then a host wait bounded by timeout_s.
+  void barrier();
+
+  // --- point-to-point and the collectives built on it (p2p.cpp) -----------------------------
+  std::shared_ptr<Work> all_to_all(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                                   bool async_op);
+  // Splits count rows of dim 0; empty splits mean equal chunks.
+  std::shared_ptr<Work> all_to_all_single(const at::Tensor& output, const at::Tensor& input,
+                                          const std::vector<int64_t>& output_splits,
+                                          const std::vector<int64_t>& input_splits, bool async_op);
+  std::shared_ptr<Work> gather(const at::Tensor& input, const std::vector<at::Tensor>& gather_list, int root,
+                               bool async_op);
+  std::shared_ptr<Work> scatter(const at::Tensor& output, const std::vector<at::Tensor>& scatter_list, int root,
+                                bool async_op);
+  std::shared_ptr<Work> send(const at::Tensor& tensor, int peer, bool async_op);
+  std::shared_ptr<Work> recv(const at::Tensor& tensor, int peer, bool async_op);
+  // (is_send, tensor, peer) in one ncclGroupStart/End on the communicator's stream.
+  std::shared_ptr<Work> batch_isend_irecv(const std::vector<std::tuple<bool, at::Tensor, int64_t>>& ops);
+
+  // --- life cycle (communicator.cpp) ---------------------------------------------------------
+  // Collective over this communicator; nullptr on ranks that passed color < 0.
+  std::shared_ptr<Communicator> split(int color, int key, std::optional<double> timeout_s, const std::string& name);
+  void abort();    // local; idempotent
+  void destroy();  // collective: ncclCommFinalize (bounded) + ncclCommDestroy; idempotent
+  bool is_aborted() const;
+  std::optional<std::string> get_async_error();
+  void check();    // throws the stored error, or the comm's async error
+  std::vector<FlightEntry> flight_record() const;  // oldest first
+
+ private:
+  friend class OpScope;
+  friend class Work;
+
+  void start();  // stream, event pool, flight recorder, watchdog
+  void start_or_abort();
+  std::shared_ptr<Work> all_reduce_impl(const char* fn, const at::Tensor& tensor, int op, bool async_op,
+                                        double premul_factor);
+  void check_usable(const char* fn) const {
+    if (__builtin_expect(state_.load(std::memory_order_acquire) != static_cast<int>(CommState::kOk), 0))
+      throw_unusable(fn);
+  }
+  [[noreturn]] void throw_unusable(const char* fn) const;
+  // Turns a non-success result of an NCCL call on comm_ into an exception; ncclInProgress is
+  // polled to completion first (non-blocking comms), bounded by the timeout.
+  void finish_nccl_call(ncclResult_t result, const char* call, const char* file, int line);
+  // Records `message` as this communicator's error (first one wins), stops the watchdog unless
+  // called from it, and aborts. Any thread.
+  void fail(bool is_timeout, const std::string& message, bool caller_in_flight);
+  void abort_nccl(bool caller_in_flight);
+  void stop_watchdog();
+  void release_tracked();  // after the watchdog stopped: drop what it was watching
+  void drain_graveyard();
+  std::string describe() const;  // "communicator 'name' (rank r of n, cuda:d)"
+
+  // watchdog.cpp
+  void watchdog_loop();
+  bool watchdog_poll();  // false once the communicator failed
+  std::string dump_flight_record(const std::string& reason);
+  void set_entry_state(uint64_t seq, OpState state);  // mutex_ held
+
+  const int world_size_;
+  const int rank_;
+  const int device_;
+  CommOptions options_;
+  ncclComm_t comm_ = nullptr;
+  std::optional<c10::cuda::CUDAStream> comm_stream_;
+  std::shared_ptr<EventPool> events_;
+  bool use_native_alltoall_ = true;  // PYNCCL_NATIVE_ALLTOALL=0 forces the grouped p2p path
+  int64_t epoch_offset_us_ = 0;      // system_clock - steady_clock, for enqueue_us
+
+  std::atomic<double> timeout_s_;
+  std::atomic<bool> track_sync_ops_{true};
+  std::atomic<uint64_t> seq_{0};
+  std::atomic<int> in_flight_{0};
+  std::atomic<int> state_{static_cast<int>(CommState::kOk)};
+
+  mutable std::mutex error_mutex_;
+  std::string error_message_;  // why the communicator was aborted, if not by abort()
+  bool error_is_timeout_ = false;
+
+  // mutex_ guards the flight ring, the ops handed to the watchdog and the graveyard.
+  mutable std::mutex mutex_;
+  std::vector<FlightEntry> ring_;
+  std::vector<TrackedOp> new_ops_;
+  std::vector<std::shared_ptr<WorkState>> graveyard_;  // released on the Python thread, not the watchdog
+  std::atomic<bool> graveyard_nonempty_{false};
+
+  std::mutex lifecycle_mutex_;       // abort/destroy
+  std::mutex lifecycle_join_mutex_;  // joining the watchdog
+  std::condition_variable watchdog_cv_;
+  bool stop_watchdog_ = false;  // mutex_
+  std::thread watchdog_;
+  std::atomic<std::thread::id> watchdog_id_{};  // set by the watchdog itself: "am I the watchdog?"
+  std::vector<TrackedOp> watch_list_;  // the watchdog's own; touched by others only after join
+  std::chrono::milliseconds watchdog_poll_{100};
+
+  at::Tensor barrier_buffer_;
+};
+
+// One op's bookkeeping around its NCCL calls: device guard, stream choice, in-flight count,
+// flight record and watchdog hand-off. Construct, make the NCCL calls on stream(), finish().
+class OpScope {
+ public:
+  OpScope(Communicator& owner, const char* op, c10::ScalarType dtype, int64_t count, int peer, bool async_op);
+  ~OpScope();
+  OpScope(const OpScope&) = delete;
+  OpScope& operator=(const OpScope&) = delete;
+
+  cudaStream_t stream() const { return stream_->stream(); }
+  const c10::cuda::CUDAStream& cuda_stream() const { return *stream_; }
+  bool capturing() const { return capturing_; }
+  // Async ops: keeps `t` alive until Work.wait() (or completion, if the Work is dropped).
+  void keep_alive(const at::Tensor& t) {
+    if (async_op_) tensors_.push_back(t);
+  }
+  // Records the end event, the flight entry and the watchdog hand-off; the Work if async.
+  std::shared_ptr<Work> finish();
+
+ private:
+  Communicator& owner_;
+  c10::cuda::CUDAGuard guard_;
+  const char* op_;
+  c10::ScalarType dtype_;
+  int64_t count_;
+  int peer_;
+  bool async_op_;
+  bool tracked_ = false;    // the watchdog will see this op (async, or track_sync_ops)
+  bool capturing_ = false;  // the caller's stream is capturing a CUDA graph
+  bool finished_ = false;
+  uint64_t seq_ = 0;
+  std::chrono::steady_clock::time_point enqueued_;
+  std::optional<c10::cuda::CUDAStream> stream_;
+  std::vector<at::Tensor> tensors_;
+};
+
+}  // namespace pynccl
+
+// For NCCL calls on a communicator inside its member functions: handles ncclInProgress.
+#define PYNCCL_CHECK_NCCL_COMM(self, call)                                               \
+  do {                                                                                   \
+    ncclResult_t pynccl_result_ = (call);                                                \
+    if (__builtin_expect(pynccl_result_ != ncclSuccess, 0))                              \
+      (self).finish_nccl_call(pynccl_result_, #call, __FILE__, __LINE__);                \
+  } while (0)

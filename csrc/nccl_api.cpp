@@ -1,0 +1,54 @@
+// Run-time version of NCCL and the entry points newer than our floor, resolved from the very
+// libnccl we are linked to (dladdr on a linked symbol), never from a second copy.
+#include "nccl_api.h"
+
+#include <dlfcn.h>
+
+#include <type_traits>
+
+#include "check.h"
+
+namespace pynccl {
+
+int nccl_runtime_version() {
+  static const int version = [] {
+    int v = 0;
+    PYNCCL_CHECK_NCCL(ncclGetVersion(&v));
+    return v;
+  }();
+  return version;
+}
+
+std::string nccl_version_string(int code) {
+  const bool old = code < 10000;
+  const int major = old ? code / 1000 : code / 10000;
+  const int minor = old ? (code % 1000) / 100 : (code % 10000) / 100;
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(code % 100);
+}
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+static_assert(std::is_same<decltype(&ncclAlltoAll), AlltoAllFn>::value, "ncclAlltoAll prototype changed");
+static_assert(std::is_same<decltype(&ncclGather), RootedFn>::value, "ncclGather prototype changed");
+static_assert(std::is_same<decltype(&ncclScatter), RootedFn>::value, "ncclScatter prototype changed");
+#endif
+
+const OptionalNcclApi& optional_nccl_api() {
+  static const OptionalNcclApi api = [] {
+    OptionalNcclApi out;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    if (nccl_runtime_version() < kNativeAlltoAllVersion) return out;
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(&ncclGetVersion), &info) == 0 || info.dli_fname == nullptr) return out;
+    // NOTE: RTLD_NOLOAD: only a handle to the library already mapped, never a second copy.
+    void* lib = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) return out;
+    out.alltoall = reinterpret_cast<AlltoAllFn>(dlsym(lib, "ncclAlltoAll"));
+    out.gather = reinterpret_cast<RootedFn>(dlsym(lib, "ncclGather"));
+    out.scatter = reinterpret_cast<RootedFn>(dlsym(lib, "ncclScatter"));
+#endif
+    return out;
+  }();
+  return api;
+}
+
+}  // namespace pynccl

@@ -1,0 +1,216 @@
+// The watchdog thread and the flight recorder of a Communicator. The watchdog polls the end
+// events of outstanding ops and ncclCommGetAsyncError every PYNCCL_WATCHDOG_POLL_MS (100 ms);
+// an op older than timeout_s or an async error makes it dump the flight record as JSON and
+// abort the communicator; the next call from Python raises the stored error. It never runs
+// Python and never drops a tensor: finished WorkStates go to a graveyard the Python thread
+// empties, since releasing a tensor may need the GIL.
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "check.h"
+#include "communicator.h"
+#include "nccl_api.h"
+
+namespace pynccl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+std::string file_safe(const std::string& s) {
+  std::string out = s;
+  for (char& c : out) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') c = '_';
+  }
+  return out;
+}
+
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.3g s", s);
+  return buf;
+}
+
+}  // namespace
+
+void Communicator::watchdog_loop() {
+  watchdog_id_.store(std::this_thread::get_id());
+  // NOTE: this thread's CUDA calls (cudaEventQuery) must not invalidate a CUDA graph that
+  // another thread captures in the default global mode: relaxed mode exempts this thread.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  (void)cudaSetDevice(device_);
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      watchdog_cv_.wait_for(lock, watchdog_poll_, [this] { return stop_watchdog_; });
+      if (stop_watchdog_) return;
+      for (auto& op : new_ops_) watch_list_.push_back(std::move(op));
+      new_ops_.clear();
+    }
+    if (!watchdog_poll()) return;
+  }
+}
+
+bool Communicator::watchdog_poll() {
+  const auto now = Clock::now();
+  const auto timeout = std::chrono::duration<double>(timeout_s());
+  std::vector<uint64_t> completed;
+  std::vector<cudaEvent_t> free_events;
+  std::vector<std::shared_ptr<WorkState>> finished_work;
+  std::string failure;
+  bool is_timeout = false;
+  uint64_t failed_seq = 0;
+  size_t num_kept = 0;
+  for (size_t i = 0; i < watch_list_.size(); ++i) {
+    TrackedOp& op = watch_list_[i];
+    const cudaError_t query = cudaEventQuery(op.event);
+    if (query == cudaSuccess) {
+      completed.push_back(op.seq);
+      if (op.work) {
+        finished_work.push_back(std::move(op.work));
+      } else {
+        free_events.push_back(op.event);
+      }
+      continue;
+    }
+    if (failure.empty()) {
+      if (query != cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        failure = std::string("watchdog: CUDA error while waiting for ") + op.op + " (seq " + std::to_string(op.seq) +
+                  "): " + cudaGetErrorName(query) + ": " + cudaGetErrorString(query);
+        failed_seq = op.seq;
+      } else if (now - op.enqueued > timeout) {
+        failure = std::string("watchdog: ") + op.op + " (seq " + std::to_string(op.seq) + ") did not complete within " +
+                  seconds_text(timeout.count());
+        failed_seq = op.seq;
+        is_timeout = true;
+      }
+    }
+    if (num_kept != i) watch_list_[num_kept] = std::move(op);
+    ++num_kept;
+  }
+  watch_list_.resize(num_kept);
+  if (!free_events.empty()) events_->put_many(free_events);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const uint64_t seq : completed) set_entry_state(seq, OpState::kCompleted);
+    if (!finished_work.empty()) {
+      for (auto& work : finished_work) graveyard_.push_back(std::move(work));
+      graveyard_nonempty_.store(true, std::memory_order_relaxed);
+    }
+  }
+  if (failure.empty()) {
+    ncclResult_t state = ncclSuccess;
+    if (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess && state != ncclInProgress) {
+      const std::string last = ncclGetLastError(comm_);
+      failure = std::string("watchdog: NCCL async error: ") + ncclGetErrorString(state) +
+                (last.empty() ? "" : " (last NCCL error: " + last + ")");
+      failed_seq = UINT64_MAX;
+    }
+  }
+  if (failure.empty()) return true;
+
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& op : watch_list_) {
+      set_entry_state(op.seq, op.seq == failed_seq ? (is_timeout ? OpState::kTimedOut : OpState::kFailed)
+                                                   : OpState::kAborted);
+    }
+  }
+  const std::string path = dump_flight_record(failure);
+  fail(is_timeout, failure + "; the communicator was aborted. Flight record: " + path, /*caller_in_flight=*/false);
+  return false;
+}
+
+void Communicator::set_entry_state(uint64_t seq, OpState state) {
+  FlightEntry& entry = ring_[seq % ring_.size()];
+  if (entry.op != nullptr && entry.seq == seq) entry.state = state;
+}
+
+std::vector<FlightEntry> Communicator::flight_record() const {
+  std::vector<FlightEntry> entries;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& entry : ring_) {
+      if (entry.op != nullptr) entries.push_back(entry);
+    }
+  }
+  std::sort(entries.begin(), entries.end(), [](const FlightEntry& a, const FlightEntry& b) { return a.seq < b.seq; });
+  return entries;
+}
+
+size_t Communicator::flight_recorder_size() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return ring_.size();
+}
+
+void Communicator::set_flight_recorder_size(size_t size) {
+  TORCH_CHECK_VALUE(size >= 1, "flight_recorder_size must be >= 1, got ", size);
+  const std::vector<FlightEntry> entries = flight_record();
+  std::lock_guard<std::mutex> lock(mutex_);
+  ring_.assign(size, FlightEntry{});
+  for (const auto& entry : entries) ring_[entry.seq % size] = entry;  // the newest win
+}
+
+std::string Communicator::dump_flight_record(const std::string& reason) {
+  try {
+    const char* dir_env = std::getenv("PYNCCL_FLIGHT_RECORDER_DIR");
+    const std::filesystem::path dir = (dir_env != nullptr && dir_env[0] != '\0')
+                                          ? std::filesystem::path(dir_env)
+                                          : std::filesystem::temp_directory_path();
+    std::filesystem::create_directories(dir);
+    const std::filesystem::path path = dir / ("pynccl_flight_" + file_safe(options_.name) + "_rank" +
+                                              std::to_string(rank_) + "_pid" + std::to_string(getpid()) + ".json");
+    std::ostringstream json;
+    json << "{\"group\": " << json_string(options_.name) << ", \"rank\": " << rank_
+         << ", \"world_size\": " << world_size_ << ", \"device\": " << device_
+         << ", \"reason\": " << json_string(reason)
+         << ", \"nccl_version\": " << json_string(nccl_version_string(nccl_runtime_version()))
+         << ", \"seq\": " << seq() << ", \"entries\": [";
+    bool first = true;
+    for (const auto& e : flight_record()) {
+      json << (first ? "" : ", ") << "{\"seq\": " << e.seq << ", \"op\": " << json_string(e.op)
+           << ", \"dtype\": " << json_string(c10::toString(e.dtype)) << ", \"count\": " << e.count
+           << ", \"peer\": " << e.peer << ", \"async_op\": " << (e.async_op ? "true" : "false")
+           << ", \"enqueue_time_us\": " << e.enqueue_us << ", \"state\": " << json_string(op_state_name(e.state)) << "}";
+      first = false;
+    }
+    json << "]}\n";
+    std::ofstream out(path);
+    out << json.str();
+    out.close();
+    if (!out) return "(flight record not written: cannot write " + path.string() + ")";
+    return path.string();
+  } catch (const std::exception& e) {
+    return std::string("(flight record not written: ") + e.what() + ")";
+  }
+}
+
+}  // namespace pynccl

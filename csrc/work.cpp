@@ -1,0 +1,124 @@
+// Work (async op handle) and EventPool. See work.h for the stream and lifetime rules.
+#include "work.h"
+
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "check.h"
+#include "communicator.h"
+
+namespace pynccl {
+
+EventPool::EventPool(int device, int num_preallocated) : device_(device) {
+  for (int i = 0; i < num_preallocated; ++i) free_.push_back(create());
+}
+
+EventPool::~EventPool() {
+  for (cudaEvent_t event : free_) (void)cudaEventDestroy(event);  // errors ignored: may run at exit
+}
+
+cudaEvent_t EventPool::create() {
+  int previous = -1;
+  PYNCCL_CHECK_CUDA(cudaGetDevice(&previous));
+  if (previous != device_) PYNCCL_CHECK_CUDA(cudaSetDevice(device_));
+  cudaEvent_t event = nullptr;
+  const cudaError_t err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  if (previous != device_) (void)cudaSetDevice(previous);
+  PYNCCL_CHECK_CUDA(err);
+  return event;
+}
+
+cudaEvent_t EventPool::get() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!free_.empty()) {
+      cudaEvent_t event = free_.back();
+      free_.pop_back();
+      return event;
+    }
+  }
+  return create();
+}
+
+void EventPool::put(cudaEvent_t event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_.push_back(event);
+}
+
+void EventPool::put_many(const std::vector<cudaEvent_t>& events) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_.insert(free_.end(), events.begin(), events.end());
+}
+
+bool wait_event(cudaEvent_t event, double timeout_s) {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  auto nap = std::chrono::microseconds(1);
+  for (int num_polls = 0;; ++num_polls) {
+    const cudaError_t query = cudaEventQuery(event);
+    if (query == cudaSuccess) return true;
+    if (query != cudaErrorNotReady) PYNCCL_CHECK_CUDA(query);
+    if (Clock::now() > deadline) return false;
+    if (num_polls < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(1000));
+    }
+  }
+}
+
+Work::Work(std::shared_ptr<Communicator> comm, std::shared_ptr<WorkState> state)
+    : comm_(std::move(comm)), state_(std::move(state)) {}
+
+bool Work::wait(std::optional<double> /*timeout*/) {
+  bool failed = false;  // a Work of a communicator that failed (watchdog, timeout) raises that failure
+  {
+    std::lock_guard<std::mutex> lock(comm_->error_mutex_);
+    failed = !comm_->error_message_.empty();
+  }
+  if (failed) comm_->throw_unusable(state_->op);
+  const auto current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(comm_->device()));
+  PYNCCL_CHECK_CUDA(cudaStreamWaitEvent(current.stream(), state_->event, 0));
+  state_->tensors.clear();  // NOTE: safe: later work on the current stream is ordered after the op
+  return true;
+}
+
+bool Work::is_completed() {
+  if (state_->captured) {
+    throw Error(std::string("is_completed: ") + state_->op + " (seq " + std::to_string(state_->seq) +
+                ") was captured in a CUDA graph; it completes with each replay, not on its own");
+  }
+  const cudaError_t query = cudaEventQuery(state_->event);
+  if (query == cudaSuccess) return true;
+  if (query == cudaErrorNotReady) return false;
+  PYNCCL_CHECK_CUDA(query);
+  return false;
+}
+
+bool Work::synchronize(std::optional<double> timeout_s) {
+  if (state_->captured) {
+    throw Error(std::string("synchronize: ") + state_->op + " (seq " + std::to_string(state_->seq) +
+                ") was captured in a CUDA graph; synchronize the replay stream instead");
+  }
+  const double timeout = timeout_s.value_or(comm_->timeout_s());
+  TORCH_CHECK_VALUE(timeout > 0, "synchronize: timeout_s must be > 0, got ", timeout);
+  if (!wait_event(state_->event, timeout)) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.3g s", timeout);
+    const std::string msg = std::string("Work.synchronize: ") + state_->op + " (seq " + std::to_string(state_->seq) +
+                            ") did not complete within " + buf;
+    const std::string path = comm_->dump_flight_record(msg);
+    comm_->fail(/*is_timeout=*/true, msg + "; the communicator was aborted. Flight record: " + path,
+                /*caller_in_flight=*/false);
+    throw TimeoutError(comm_->describe() + ": " + msg + "; the communicator was aborted. Flight record: " + path);
+  }
+  state_->tensors.clear();
+  return true;
+}
+
+}  // namespace pynccl

@@ -1,0 +1,194 @@
+"""The "nccl" backend: one pynccl._C.Communicator on CUDA tensors.
+
+The hot path is the C++ method itself: __init__ binds each Communicator method whose signature
+matches base.Backend as an instance attribute, so `backend.all_reduce(t, op, async_op)` goes
+straight from Python into C++ (op is a ReduceOp int or a PremulSum; C++ reads both). The
+methods defined on the class are the same calls spelled out, for readers and for the ABC.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from pynccl import _ext
+from pynccl.backends.base import Backend, Work
+
+if _ext.available():
+    Work.register(_ext._C.Work)  # C++ Work handles are base.Work for isinstance checks
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclOptions:
+    """ncclConfig_t fields a user may set (-1: NCCL's default)."""
+
+    blocking: bool = False        # non-blocking (default) bounds init/split/finalize by the timeout
+    name: str = ""                # shows in errors, the flight record file and NCCL's logs
+    cga_cluster_size: int = -1
+    min_ctas: int = -1
+    max_ctas: int = -1
+
+
+def get_unique_id() -> bytes:
+    """A fresh 128-byte ncclUniqueId; rank 0 makes it and shares it through the store."""
+    return _ext.require_extension('the "nccl" backend').get_unique_id()
+
+
+def _device_index(device: Union[int, str, torch.device]) -> int:
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f'the "nccl" backend needs a CUDA device, got {device}')
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _seconds(timeout: Union[float, datetime.timedelta]) -> float:
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+
+
+class NcclBackend(Backend):
+    """base.Backend over pynccl._C.Communicator; `comm` is the C++ object for everything else
+    (flight_record(), track_sync_ops, get_async_error(), ...)."""
+
+    name = "nccl"
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self.device = torch.device("cuda", comm.device)
+        # NOTE: hot path. Each attribute is the bound C++ method: no Python frame per call.
+        self.all_reduce = comm.all_reduce
+        self.broadcast = comm.broadcast
+        self.reduce = comm.reduce
+        self.all_gather = comm.all_gather
+        self.all_gather_into_tensor = comm.all_gather_into_tensor
+        self.reduce_scatter = comm.reduce_scatter
+        self.reduce_scatter_tensor = comm.reduce_scatter_tensor
+        self.all_to_all = comm.all_to_all
+        self.all_to_all_single = comm.all_to_all_single
+        self.gather = comm.gather
+        self.scatter = comm.scatter
+        self.send = comm.send
+        self.recv = comm.recv
+        self.batch_isend_irecv = comm.batch_isend_irecv
+        self.barrier = comm.barrier
+        self.pack = _ext._C.pack
+        self.unpack = _ext._C.unpack
+
+    @classmethod
+    def create(cls, unique_id: bytes, world_size: int, rank: int, device: Union[int, str, torch.device],
+               timeout: Union[float, datetime.timedelta] = 600.0,
+               options: Optional[Union[NcclOptions, dict]] = None, **option_fields) -> "NcclBackend":
+        """Collective over `world_size` processes: ncclCommInitRankConfig, bounded by `timeout`.
+        `options` (or NcclOptions fields as keywords, e.g. name="world") configure the communicator."""
+        c = _ext.require_extension('the "nccl" backend')
+        if options is None:
+            options = NcclOptions()
+        elif isinstance(options, dict):
+            options = NcclOptions(**options)
+        if option_fields:
+            options = dataclasses.replace(options, **option_fields)  # TypeError for an unknown field
+        comm = c.Communicator(bytes(unique_id), int(world_size), int(rank), _device_index(device),
+                              timeout_s=_seconds(timeout), blocking=options.blocking, name=options.name,
+                              cga_cluster_size=options.cga_cluster_size, min_ctas=options.min_ctas,
+                              max_ctas=options.max_ctas)
+        return cls(comm)
+
+    def __repr__(self):
+        return f"NcclBackend({self.comm!r})"
+
+    # --- timeouts and diagnostics ------------------------------------------------------
+    @property
+    def timeout(self) -> float:
+        return self.comm.timeout_s
+
+    @timeout.setter
+    def timeout(self, seconds: Union[float, datetime.timedelta]):
+        self.comm.timeout_s = _seconds(seconds)
+
+    def flight_record(self) -> List[dict]:
+        return self.comm.flight_record()
+
+    def check(self):
+        """Raise the communicator's stored or asynchronous error, if any."""
+        self.comm.check()
+
+    def is_aborted(self) -> bool:
+        return self.comm.is_aborted()
+
+    # --- base.Backend, spelled out (instances use the bound C++ methods above) ----------
+    def all_reduce(self, tensor, op, async_op=False):  # noqa: F811
+        return self.comm.all_reduce(tensor, op, async_op)
+
+    def broadcast(self, tensor, root, async_op=False):  # noqa: F811
+        return self.comm.broadcast(tensor, root, async_op)
+
+    def reduce(self, tensor, root, op, async_op=False):  # noqa: F811
+        return self.comm.reduce(tensor, root, op, async_op)
+
+    def all_gather(self, output_list, input, async_op=False):  # noqa: F811
+        return self.comm.all_gather(output_list, input, async_op)
+
+    def all_gather_into_tensor(self, output, input, async_op=False):  # noqa: F811
+        return self.comm.all_gather_into_tensor(output, input, async_op)
+
+    def reduce_scatter(self, output, input_list, op, async_op=False):  # noqa: F811
+        return self.comm.reduce_scatter(output, input_list, op, async_op)
+
+    def reduce_scatter_tensor(self, output, input, op, async_op=False):  # noqa: F811
+        return self.comm.reduce_scatter_tensor(output, input, op, async_op)
+
+    def all_to_all(self, output_list, input_list, async_op=False):  # noqa: F811
+        return self.comm.all_to_all(output_list, input_list, async_op)
+
+    def all_to_all_single(self, output, input, output_split_sizes: Optional[Sequence[int]],  # noqa: F811
+                          input_split_sizes: Optional[Sequence[int]], async_op=False):
+        return self.comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
+
+    def gather(self, input, gather_list, root, async_op=False):  # noqa: F811
+        return self.comm.gather(input, gather_list, root, async_op)
+
+    def scatter(self, output, scatter_list, root, async_op=False):  # noqa: F811
+        return self.comm.scatter(output, scatter_list, root, async_op)
+
+    def send(self, tensor, peer, async_op=False):  # noqa: F811
+        return self.comm.send(tensor, peer, async_op)
+
+    def recv(self, tensor, peer, async_op=False):  # noqa: F811
+        return self.comm.recv(tensor, peer, async_op)
+
+    def batch_isend_irecv(self, ops):  # noqa: F811
+        return self.comm.batch_isend_irecv(ops)
+
+    def barrier(self):  # noqa: F811
+        self.comm.barrier()
+
+    def pack(self, tensors, flat, scale=1.0):  # noqa: F811
+        _ext._C.pack(tensors, flat, scale)
+
+    def unpack(self, flat, tensors, scale=1.0):  # noqa: F811
+        _ext._C.unpack(flat, tensors, scale)
+
+    # --- life cycle ------------------------------------------------------------------------
+    def split(self, ranks: List[int], timeout) -> Optional["NcclBackend"]:
+        """Collective over this communicator (ncclCommSplit): every rank calls it with the same
+        `ranks`; the ranks not in it get None."""
+        ranks = sorted(int(r) for r in ranks)
+        for r in ranks:
+            if not 0 <= r < self.world_size:
+                raise ValueError(f"split: rank {r} is out of range for a group of world_size {self.world_size}")
+        color, key = (0, ranks.index(self.rank)) if self.rank in ranks else (-1, 0)
+        child = self.comm.split(color, key, _seconds(timeout))
+        return None if child is None else NcclBackend(child)
+
+    def destroy(self):
+        """Collective: ncclCommFinalize (bounded by the timeout) then ncclCommDestroy."""
+        self.comm.destroy()
+
+    def abort(self):
+        """Local: ncclCommAbort; later ops raise PyncclError."""
+        self.comm.abort()

@@ -1,0 +1,100 @@
+"""pynccl._C on any machine, GPU or not: it imports, reports NCCL's versions, makes unique ids,
+shares the one libnccl torch loaded, and fails cleanly (an exception, never a crash) where a
+GPU would be needed."""
+import pytest
+import torch
+
+from pynccl import _ext
+from pynccl.errors import CommTimeoutError, PyncclError
+
+
+def _c():
+    assert _ext.available(), f"pynccl._C did not import: {_ext.import_error()!r}"
+    return _ext._C
+
+
+def test_extension_imports():
+    c = _c()
+    assert hasattr(c, "Communicator") and hasattr(c, "Work")
+
+
+def test_nccl_version_build_and_runtime():
+    v = _ext.nccl_version()
+    for version in (v.build, v.runtime):
+        assert isinstance(version, tuple) and len(version) == 3 and all(isinstance(x, int) for x in version)
+    assert v.build >= (2, 18, 0) and v.runtime >= (2, 18, 0)
+    # torch reports the version of the libnccl it loaded: the same library must serve us.
+    if hasattr(torch.cuda, "nccl") and torch.version.cuda:
+        assert v.runtime == tuple(torch.cuda.nccl.version()[:3])
+
+
+def test_one_libnccl_in_process():
+    _c()
+    libs = _ext.loaded_nccl_libraries()
+    assert len(libs) == 1, f"expected one libnccl mapped, got {libs}"
+
+
+def test_unique_id_is_128_fresh_bytes():
+    c = _c()
+    a, b = c.get_unique_id(), c.get_unique_id()
+    assert isinstance(a, bytes) and len(a) == 128 and len(b) == 128
+    assert a != b
+
+
+def test_native_alltoall_gate_follows_runtime_version():
+    c = _c()
+    if _ext.nccl_version().runtime < (2, 28, 0) or _ext.nccl_version().build < (2, 28, 0):
+        assert not c.native_alltoall_available()
+    else:
+        assert c.native_alltoall_available()
+
+
+def test_bad_unique_id_is_value_error():
+    c = _c()
+    with pytest.raises(ValueError, match="128 bytes"):
+        c.Communicator(b"short", 1, 0, 0)
+    with pytest.raises(TypeError):
+        c.Communicator("a str, not bytes", 1, 0, 0)
+
+
+def test_bad_rank_is_value_error():
+    c = _c()
+    with pytest.raises(ValueError, match="rank 3 is out of range"):
+        c.Communicator(c.get_unique_id(), 2, 3, 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_communicator_without_gpu_raises_pyncclerror():
+    c = _c()
+    with pytest.raises(PyncclError, match="needs a CUDA GPU") as info:
+        c.Communicator(c.get_unique_id(), 1, 0, 0, timeout_s=5.0)
+    assert isinstance(info.value, RuntimeError)
+    assert not isinstance(info.value, CommTimeoutError)
+
+
+def test_pack_unpack_reject_cpu_tensors():
+    c = _c()
+    flat = torch.zeros(8)
+    with pytest.raises(ValueError, match="pack: flat must be a CUDA tensor, got a tensor on cpu"):
+        c.pack([torch.ones(4)], flat, 1.0)
+    with pytest.raises(ValueError, match="unpack: flat must be a CUDA tensor"):
+        c.unpack(flat, [torch.ones(4)], 0.5)
+
+
+def test_require_extension_says_how_to_build(monkeypatch):
+    monkeypatch.setattr(_ext, "_C", None)
+    monkeypatch.setattr(_ext, "_IMPORT_ERROR", ImportError("libfoo.so: cannot open shared object file"))
+    with pytest.raises(ImportError) as info:
+        _ext.require_extension('the "nccl" backend')
+    message = str(info.value)
+    assert "pip install --no-build-isolation -e ." in message
+    assert "libfoo.so" in message and 'the "nccl" backend' in message
+
+
+def test_nccl_backend_implements_the_interface():
+    from pynccl.backends.base import Backend, Work
+    from pynccl.backends.nccl import NcclBackend
+
+    assert issubclass(NcclBackend, Backend)
+    assert not NcclBackend.__abstractmethods__
+    assert issubclass(_c().Work, Work)
