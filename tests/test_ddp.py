@@ -3,6 +3,7 @@ parameters after 5 steps of SGD and AdamW, unused / tied / frozen parameters, Ba
 no_sync accumulation, checkpointing, bucket views, comm hooks, errors; SyncBatchNorm against
 BatchNorm on the full batch; DistributedSampler; the example under torchrun. One process launch
 per world size runs every check (process start costs seconds on two cores)."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def _opt(name, params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
 
 
-def _train(model, opt, batches, rank, ws, accumulate=1, set_rank=True):
+def _train(model, opt, batches, rank, ws, accumulate=1):
     """Local batch = this rank's chunk of the global batch, in `accumulate` micro-batches
     (no_sync on all but the last); ws=1 with a plain model is the full-batch reference."""
     set_to_none = not getattr(model, "gradient_as_bucket_view", False)   # views: zero in place
@@ -94,23 +95,14 @@ def _train(model, opt, batches, rank, ws, accumulate=1, set_rank=True):
         opt.zero_grad(set_to_none=set_to_none)
         micro = list(zip(xs.chunk(accumulate), ys.chunk(accumulate)))
         for i, (mx, my) in enumerate(micro):
-            if set_rank and hasattr(inner, "rank"):
+            if hasattr(inner, "rank"):
                 inner.rank = rank
             sync = i == len(micro) - 1 or not hasattr(model, "no_sync")
-            ctx = model.no_sync() if not sync else _nullctx()
-            with ctx:
+            with contextlib.nullcontext() if sync else model.no_sync():
                 loss = ((model(mx) - my) ** 2).mean() / len(micro)
                 loss.backward()
         opt.step()
     return inner
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _max_diff(a, b):
