@@ -121,6 +121,26 @@ def _against_torch_ddp(rank, ws):
     return True
 
 
+def _torch_nccl_first(rank, ws):
+    """The script initialised torch.distributed (nccl) only: DDP bootstraps pynccl's NCCL
+    communicator from it; equal to torch DDP on that default group."""
+    torch.cuda.set_device(rank)
+    tdist.init_process_group("nccl", rank=rank, world_size=ws, device_id=torch.device("cuda", rank))
+    try:
+        device = torch.device("cuda", rank)
+        ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(m, device_ids=[rank]))
+        assert pynccl.is_initialized() and pynccl.get_backend() == "nccl"
+        theirs, opt_theirs = _build(device, lambda m: TorchDDP(m, device_ids=[rank]))
+        for x, y in _data(rank, ws, device, steps=3):
+            _step(ours, opt_ours, x, y)
+            _step(theirs, opt_theirs, x, y)
+        _assert_close(_params(ours), _params(theirs), "bootstrapped from torch nccl vs torch DDP")
+    finally:
+        pynccl.destroy_process_group()
+        tdist.destroy_process_group()
+    return True
+
+
 def _graph_vs_eager(rank, ws, static_graph):
     device = pynccl.get_device()
     data = _data(rank, ws, device, steps=8, seed=1)
@@ -170,6 +190,12 @@ needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2
 @needs_gpu
 def test_ddp_nccl_one_gpu_equals_torch_ddp():
     assert run_multiprocess(_against_torch_ddp, 1, backend="nccl", start_method="spawn", timeout=300) == [True]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_ddp_bootstraps_from_torch_nccl():
+    assert run_multiprocess(_torch_nccl_first, 1, backend=None, start_method="spawn", timeout=300) == [True]
 
 
 @pytest.mark.gpu
