@@ -197,6 +197,21 @@ def _stage2_overlaps(rank, ws):
         assert len(rt.units) >= 3 and seen == [expect_freed], (stage, seen)
 
 
+def _eval_between_forward_and_backward(rank, ws):
+    """A no-grad forward (evaluation) between a training forward and its backward changes nothing."""
+    expected = reference(steps=range(2))[0]
+    for stage in (1, 2, 3):
+        model, opt = wrap(stage)
+        for step in range(2):
+            loss = model(*local(global_batch(step), rank, ws))
+            with torch.no_grad(), model.no_sync():
+                model(*local(global_batch(99), rank, ws))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert_close(model.full_state_dict(), expected, f"stage {stage}: eval forward before backward")
+
+
 def _mixed_precision(rank, ws):
     for reduce_dtype, atol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         ref = reference_mixed(ws, reduce_dtype)
@@ -307,6 +322,7 @@ def _case(rank, ws, ckpt_dir, tmp):
         _write_checkpoints(rank, ws, ckpt_dir)
     if ws == 2:
         _stage2_overlaps(rank, ws)
+        _eval_between_forward_and_backward(rank, ws)
         _resume_elsewhere(rank, ws, ckpt_dir)
         _sharded_same_size_and_crash(rank, ws, tmp)
         _errors(rank, ws)

@@ -73,12 +73,16 @@ class ReplicatedParamsRuntime:
             u.gather()
         for u in stale:
             u.wait_gather()
-        if torch.is_grad_enabled() and sync_grads:
-            self._arm()
-        elif not self.bucketer.in_backward:
-            self.bucketer.disarm()
+        # NOTE: a forward without grad (evaluation) leaves the hooks as they are: the backward
+        # of an earlier forward may still be to come, as in torch DDP.
+        if torch.is_grad_enabled():
+            self._check_prior_backward()
+            if sync_grads:
+                self.bucketer.prepare_for_backward()
+            else:
+                self.bucketer.disarm()
 
-    def _arm(self) -> None:
+    def _check_prior_backward(self) -> None:
         if self.bucketer.in_backward:
             missing = self.bucketer.unready_param_names()
             try:
@@ -89,7 +93,6 @@ class ReplicatedParamsRuntime:
                 f"FullyShardedDataParallel(stage={self.stage}): the previous backward produced no gradient for "
                 f"{', '.join(missing)}. In stages 1 and 2 every trainable parameter must take part in the loss: "
                 f"freeze unused ones with requires_grad_(False) before wrapping, or use stage=3.")
-        self.bucketer.prepare_for_backward()
 
     # ------------------------------------------------------------------ backward
     def _on_bucket_ready(self, bucket) -> None:

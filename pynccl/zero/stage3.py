@@ -117,8 +117,9 @@ class ShardedParamsRuntime:
 
     # ------------------------------------------------------------------ forward
     def pre_root_forward(self, sync_grads: bool) -> None:
-        self.sync_grads = sync_grads
-        self._end_queued = False                       # a backward that raised never ran its callback
+        if torch.is_grad_enabled():                    # an evaluation forward leaves a pending backward alone
+            self.sync_grads = sync_grads
+            self._end_queued = False                   # a backward that raised never ran its callback
         if self.root is not None:
             self._ensure(self.root)
             self._use_full(self.root)

@@ -1,0 +1,116 @@
+"""ZeRO stages 1-3 on NCCL: parameters after AdamW steps (with clipping) equal a single-process
+run on the same global batch, fp32 (TF32 off) and bf16 mixed precision; stage 3 frees its
+units; a backward that keeps the GPU busy (gradients arrive long after the host ran every
+hook) must not change the result. World size 1 on one GPU; 2+ where there are several."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pynccl
+from pynccl.testing import run_multiprocess
+from pynccl.zero import MixedPrecision
+
+from test_zero import GLOBAL_BATCH, LR, V, Net, global_batch, local
+
+STEPS = 5
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward first keeps the stream busy (~10 ms)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(20_000_000)
+        return grad
+
+
+class SlowNet(Net):
+    def forward(self, idx, tgt):
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = _SlowBackward.apply(b(h))
+        return F.cross_entropy(self.head(self.norm(h)).float().reshape(-1, V), tgt.reshape(-1))
+
+
+def _net(device, slow=False):
+    torch.manual_seed(0)
+    return (SlowNet() if slow else Net()).to(device)
+
+
+def _train(model, opt, rank, ws, device, clip=None):
+    for step in range(STEPS):
+        idx, tgt = (t.to(device) for t in local(global_batch(step), rank, ws))
+        model(idx, tgt).backward()
+        if clip is not None:
+            model.clip_grad_norm_(clip) if hasattr(model, "clip_grad_norm_") else \
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+
+
+def _reference(device, mixed, ws):
+    """Single process on the global batch (fp32), or, mixed, what MixedPrecision(bf16, fp32)
+    promises: each rank's forward/backward on bf16 copies of fp32 masters, fp32 mean of the
+    gradients; both clipped to 0.5 and stepped with AdamW."""
+    master = _net(device)
+    opt = torch.optim.AdamW(master.parameters(), lr=LR)
+    if not mixed:
+        _train(master, opt, 0, 1, device, clip=0.5)
+        return master.state_dict()
+    for step in range(STEPS):
+        grads = []
+        for r in range(ws):
+            bf = _net(device).to(torch.bfloat16)
+            bf.load_state_dict(master.state_dict())
+            bf(*(t.to(device) for t in local(global_batch(step), r, ws))).backward()
+            grads.append([q.grad.float() for q in bf.parameters()])
+        for p, gs in zip(master.parameters(), zip(*grads)):
+            p.grad = sum(gs) / ws
+        torch.nn.utils.clip_grad_norm_(master.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return master.state_dict()
+
+
+def _case(rank, ws):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = pynccl.get_device()
+    assert device.type == "cuda"
+    refs = {mixed: _reference(device, mixed, ws) for mixed in (False, True)}
+    for mixed in (False, True):
+        for stage in (1, 2, 3):
+            for slow in (False, True):
+                mp = MixedPrecision(torch.bfloat16, torch.float32) if mixed else None
+                model = pynccl.FullyShardedDataParallel(_net(device, slow), stage=stage, mixed_precision=mp,
+                                                        bucket_cap_mb=0.0005)
+                opt = torch.optim.AdamW(model.parameters(), lr=LR)
+                _train(model, opt, rank, ws, device, clip=0.5)
+                sd = model.full_state_dict()
+                if stage == 3:
+                    assert not any(u.is_allocated for u in model.units), "stage 3 must free its units"
+                for k, v in refs[mixed].items():
+                    torch.testing.assert_close(sd[k], v.cpu(), atol=1e-4 if mixed else 1e-5, rtol=0,
+                                               msg=lambda m: f"stage {stage} mixed={mixed} slow={slow} [{k}]: {m}")
+    return True
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_zero_nccl_one_gpu_equals_single_process():
+    assert run_multiprocess(_case, 1, backend="nccl", start_method="spawn", timeout=600) == [True]
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_zero_nccl_multi_gpu_equals_single_process():
+    ws = max(n for n in (2, 3, 4) if n <= torch.cuda.device_count() and GLOBAL_BATCH % n == 0)
+    assert run_multiprocess(_case, ws, backend="nccl", start_method="spawn", timeout=600) == [True] * ws
