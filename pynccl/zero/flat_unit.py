@@ -56,7 +56,7 @@ class ShardedUnit:
         k = layout.shard_numel
         with torch.no_grad():
             flat = torch.zeros(layout.padded_numel, dtype=master_dtype, device=device)
-            self.backend.pack([p.detach() for p in params], flat[: layout.numel])
+            self.backend.pack([p.detach().contiguous() for p in params], flat[: layout.numel])
             if sync_from_first_rank and group.world_size > 1:
                 dist.broadcast(flat, src=group.ranks[0], group=group)
             mine = flat[self.rank * k: (self.rank + 1) * k]
@@ -141,7 +141,8 @@ class ShardedUnit:
                 if flat_given:
                     self.backend.pack(grads, inp)
                 else:
-                    tensors = [g if g is not None else torch.zeros(s.shape, dtype=self.reduce_dtype, device=device)
+                    # NOTE: one pack call takes one dtype: stand-ins for missing grads match the others.
+                    tensors = [g if g is not None else torch.zeros(s.shape, dtype=self.compute_dtype, device=device)
                                for g, s in zip(grads, L.slots)]
                     self.backend.pack(tensors, inp[: L.numel])
                     inp[L.numel:].zero_()

@@ -3,7 +3,7 @@ torch optimizer and an ordinary training loop:
 
     model = pynccl.FullyShardedDataParallel(net, stage=3, mixed_precision=MixedPrecision(torch.bfloat16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # state for this rank's shards only
-    loss = model(x).loss; loss.backward(); model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+    loss = loss_fn(model(x), y); loss.backward(); model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 
 `parameters()` are this rank's flat fp32 shards (one per unit), so the optimizer's state
 is sharded. That is exact for element-wise optimizers (SGD with or without momentum, Adam,
@@ -12,9 +12,17 @@ reads that element's gradient and state. Optimizers that look at a whole tensor 
 LARS trust ratios, Adafactor's factored moments, Shampoo/SOAP/Muon preconditioners, LBFGS)
 see flat shards instead of the original tensors and are NOT exact.
 
-Sharding is by wrapper object: the wrapped module's parameters become plain tensors (views
-of gathered buffers), its buffers stay as they are. Parameters with requires_grad=False
-are kept whole on every rank (not sharded, not in parameters()).
+What users see:
+  * The wrapped module's parameters become plain tensors under the same attribute names
+    (views of the full buffers), so its forward runs unchanged; its buffers stay as they are.
+    requires_grad=False parameters are kept whole on every rank (not sharded).
+  * Stages 1/2 all-gather updated shards at the start of the next forward (stage12.py says
+    why), so between optimizer.step() and that forward model.module's parameters are stale;
+    full_state_dict() is always current.
+  * Stages 1/2 need every trainable parameter in every loss (as DDP without
+    find_unused_parameters); stage 3 gives unused ones a zero gradient (AdamW's weight decay
+    still moves them, as in torch FSDP).
+  * Gradients are averaged over the group (ReduceOp.AVG), in MixedPrecision.reduce_dtype.
 """
 from __future__ import annotations
 
@@ -84,7 +92,7 @@ class FullyShardedDataParallel(nn.Module):
                 for _, buf in named_buffers_all(module):
                     dist.broadcast(buf, src=self.process_group.ranks[0], group=self.process_group)
         if stage == 3:
-            self._runtime = ShardedParamsRuntime(module, unit_modules, self._param_infos, tensors,
+            self._runtime = ShardedParamsRuntime(unit_modules, self._param_infos, tensors,
                                                  self.process_group, self.policy, sync_module_states)
         else:
             self._runtime = ReplicatedParamsRuntime(stage, self._param_infos, tensors, self.process_group,

@@ -33,7 +33,7 @@ from .stage12 import MAX_IN_FLIGHT
 class ShardedParamsRuntime:
     """Owns the stage-3 units, their module hooks and the saved-tensor hooks."""
 
-    def __init__(self, root: nn.Module, unit_modules: List[nn.Module], infos: List[ParamInfo],
+    def __init__(self, unit_modules: List[nn.Module], infos: List[ParamInfo],
                  tensors: List[torch.Tensor], group, policy, sync_module_states: bool):
         unit_of_module: Dict[int, int] = {}
         for u_idx, m in enumerate(unit_modules, start=1):
