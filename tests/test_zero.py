@@ -227,6 +227,18 @@ def _mixed_precision(rank, ws):
             assert_close(model.full_state_dict(), ref, f"mixed stage {stage} reduce {reduce_dtype}", atol=atol)
 
 
+def _subgroups(rank, ws):
+    """Two independent data-parallel groups {0, 1} and {2, 3} (process_group=)."""
+    groups = [pynccl.new_group([0, 1]), pynccl.new_group([2, 3])]
+    group = groups[rank // 2]
+    expected = reference()[0]
+    for stage in (1, 3):
+        model = pynccl.FullyShardedDataParallel(make_net(), stage=stage, process_group=group, bucket_cap_mb=0.0005)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        train(model, opt, range(STEPS), group.rank, group.world_size)
+        assert_close(model.full_state_dict(), expected, f"stage {stage} on group {group.ranks}")
+
+
 def _write_checkpoints(rank, ws, ckpt_dir):
     model, opt = wrap(3)
     train(model, opt, range(2), rank, ws)
@@ -319,6 +331,7 @@ def _case(rank, ws, ckpt_dir, tmp):
     _no_sync_is_silent(rank, ws)
     _mixed_precision(rank, ws)
     if ws == 4:
+        _subgroups(rank, ws)
         _write_checkpoints(rank, ws, ckpt_dir)
     if ws == 2:
         _stage2_overlaps(rank, ws)
