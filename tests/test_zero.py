@@ -99,9 +99,13 @@ class _null:
         return False
 
 
-def reference(steps=range(STEPS), clip=None, accum=1, start=None):
+def adamw(params):
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def reference(steps=range(STEPS), clip=None, accum=1, start=None, make_opt=adamw):
     net = make_net()
-    opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    opt = make_opt(net.parameters())
     if start is not None:
         net.load_state_dict(start["model"])
         opt.load_state_dict(start["optim"])
@@ -195,6 +199,24 @@ def _stage2_overlaps(rank, ws):
         model(*local(global_batch(0), rank, ws)).backward()
         handle.remove()
         assert len(rt.units) >= 3 and seen == [expect_freed], (stage, seen)
+
+
+def _other_optimizers(rank, ws):
+    """SGD with momentum and Adam with amsgrad are element-wise too: exact on flat shards, and
+    their state (momentum_buffer, max_exp_avg_sq) survives a full optimizer state dict."""
+    makers = [lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, nesterov=True),
+              lambda ps: torch.optim.Adam(ps, lr=LR, amsgrad=True)]
+    for make_opt, stage in zip(makers, (2, 3)):
+        expected = reference(make_opt=make_opt)[0]
+        model = pynccl.FullyShardedDataParallel(make_net(), stage=stage, bucket_cap_mb=0.0005)
+        opt = make_opt(model.parameters())
+        train(model, opt, range(2), rank, ws)
+        osd = model.full_optim_state_dict(opt)
+        resumed = pynccl.FullyShardedDataParallel(make_net(), stage=1, bucket_cap_mb=0.0005)
+        resumed_opt = make_opt(resumed.parameters())
+        resumed.load_full_state_dict(model.full_state_dict(), osd, resumed_opt)
+        train(resumed, resumed_opt, range(2, STEPS), rank, ws)
+        assert_close(resumed.full_state_dict(), expected, f"{type(opt).__name__} stage {stage} -> 1")
 
 
 def _eval_between_forward_and_backward(rank, ws):
@@ -330,6 +352,8 @@ def _case(rank, ws, ckpt_dir, tmp):
     _exactness(rank, ws)
     _no_sync_is_silent(rank, ws)
     _mixed_precision(rank, ws)
+    if ws == 3:
+        _other_optimizers(rank, ws)
     if ws == 4:
         _subgroups(rank, ws)
         _write_checkpoints(rank, ws, ckpt_dir)
