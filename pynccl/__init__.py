@@ -22,13 +22,19 @@ _LAZY = {
     "DistributedDataParallel": "pynccl.ddp",
     "SyncBatchNorm": "pynccl.ddp",
     "FullyShardedDataParallel": "pynccl.zero",
+    "MixedPrecision": "pynccl.zero",
     "ParallelMesh": "pynccl.mesh",
 }
 
 
+_SUBMODULES = ("tensor_parallel", "pipeline", "zero", "bench", "comm_hooks", "testing")
+
+
 def __getattr__(name):
+    import importlib
+    if name in _SUBMODULES:
+        return importlib.import_module(f"pynccl.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'pynccl' has no attribute {name!r}")
-    import importlib
     return getattr(importlib.import_module(module), name)
