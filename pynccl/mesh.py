@@ -14,6 +14,10 @@ from typing import Optional, Tuple
 from . import distributed as dist
 
 
+# Which mesh axis a model dimension is split along (check_divides); every other name: tp.
+DIVIDED_BY = {"num_layers": "pp", "batch_size": "dp"}
+
+
 @dataclass(frozen=True)
 class MeshShape:
     dp: int
@@ -23,12 +27,43 @@ class MeshShape:
     def validate(self, world_size: int) -> None:
         for axis in ("dp", "tp", "pp"):
             value = getattr(self, axis)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelMesh: {axis} must be a positive int, got {value!r} "
                                  f"(dp={self.dp}, tp={self.tp}, pp={self.pp})")
         if self.dp * self.tp * self.pp != world_size:
             raise ValueError(f"ParallelMesh: dp({self.dp}) × tp({self.tp}) × pp({self.pp}) = "
                              f"{self.dp * self.tp * self.pp}, but the world size is {world_size}")
+
+    @staticmethod
+    def infer(world_size: int, dp: Optional[int], tp: int, pp: int) -> "MeshShape":
+        """The shape with dp = world_size / (tp × pp) when dp is None (the usual default)."""
+        for axis, value in (("tp", tp), ("pp", pp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelMesh: {axis} must be a positive int, got {value!r} "
+                                 f"(dp={dp}, tp={tp}, pp={pp}, world size {world_size})")
+        if dp is None:
+            if world_size % (tp * pp):
+                raise ValueError(f"ParallelMesh: the world size {world_size} is not divisible by tp({tp}) × "
+                                 f"pp({pp}) = {tp * pp}, so dp = world / (tp × pp) is not an integer")
+            dp = world_size // (tp * pp)
+        shape = MeshShape(dp, tp, pp)
+        shape.validate(world_size)
+        return shape
+
+    def check_divides(self, **dims: int) -> None:
+        """Raise one ValueError naming every model dimension that does not divide by its degree:
+        num_layers by pp, batch_size (the global batch) by dp, every other name by tp
+        (num_heads, hidden_size, vocab_size, seq_len under sequence parallelism, ...)."""
+        failures = []
+        for name, value in dims.items():
+            axis = DIVIDED_BY.get(name, "tp")
+            degree = getattr(self, axis)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                failures.append(f"{name} must be a positive int, got {value!r}")
+            elif value % degree:
+                failures.append(f"{name}={value} is not divisible by {axis}={degree}")
+        if failures:
+            raise ValueError(f"ParallelMesh: {'; '.join(failures)} (dp={self.dp}, tp={self.tp}, pp={self.pp})")
 
     def coords(self, rank: int) -> Tuple[int, int, int]:
         """(dp_rank, tp_rank, pp_rank) of a global rank."""
@@ -54,13 +89,17 @@ class ParallelMesh:
     """Groups for each axis; this rank's coordinates and pipeline neighbours.
 
     Collective: every rank of the default group constructs it with the same degrees.
+    Groups: tp_group, dp_group, pp_group (this rank's line along each axis), mp_group (the
+    tp × pp ranks that together hold one model replica) and world_group (every rank).
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, timeout=None):
+    def __init__(self, dp: Optional[int] = 1, tp: int = 1, pp: int = 1, timeout=None):
         world_size = dist.get_world_size()
-        self.shape = MeshShape(dp, tp, pp)
-        self.shape.validate(world_size)
+        # dp=None: whatever is left of the world once tp and pp are taken (dp = world / (tp × pp)).
+        self.shape = MeshShape.infer(world_size, dp, tp, pp)
+        dp = self.shape.dp
         self.rank = dist.get_rank()
+        self.world_size = world_size
         self.dp_size, self.tp_size, self.pp_size = dp, tp, pp
         self.dp_rank, self.tp_rank, self.pp_rank = self.shape.coords(self.rank)
 
@@ -75,6 +114,7 @@ class ParallelMesh:
         # Model-parallel group (all ranks holding one replica): for norms over TP and PP shards.
         self.mp_group = self._axis_groups(
             [[self.shape.rank_of(d, t, p) for p in range(pp) for t in range(tp)] for d in range(dp)], timeout)
+        self.world_group = dist.get_default_group()
 
     def _axis_groups(self, all_ranks, timeout):
         mine = None
@@ -102,15 +142,10 @@ class ParallelMesh:
         return None if self.is_first_stage else self.shape.rank_of(self.dp_rank, self.tp_rank, self.pp_rank - 1)
 
     def check_divides(self, **dims: int) -> None:
-        """Raise naming every value when a model dimension does not divide by its degree,
-        e.g. mesh.check_divides(num_heads=12, hidden=768, num_layers=6)."""
-        rules = {"num_layers": self.pp_size}
-        for name, value in dims.items():
-            degree = rules.get(name, self.tp_size)
-            axis = "pp" if name in rules else "tp"
-            if value % degree:
-                raise ValueError(f"ParallelMesh: {name}={value} is not divisible by {axis}={degree} "
-                                 f"(dp={self.dp_size}, tp={self.tp_size}, pp={self.pp_size})")
+        """Raise one ValueError naming every dimension that does not divide by its degree and the
+        mesh, e.g. mesh.check_divides(num_heads=12, hidden_size=768, num_layers=6, batch_size=32):
+        num_layers by pp, batch_size by dp, every other name by tp (see MeshShape.check_divides)."""
+        self.shape.check_divides(**dims)
 
     def __repr__(self):
         return (f"ParallelMesh(dp={self.dp_size}, tp={self.tp_size}, pp={self.pp_size}; rank {self.rank} = "

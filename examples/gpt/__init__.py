@@ -1,0 +1,1 @@
+"""The pieces of examples/train_gpt.py: model.py, data.py, parallel.py, checkpoint.py."""
