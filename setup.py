@@ -18,6 +18,7 @@ SOURCES = [
     "csrc/collectives.cpp",
     "csrc/communicator.cpp",
     "csrc/nccl_api.cpp",
+    "csrc/op_scope.cpp",
     "csrc/p2p.cpp",
     "csrc/watchdog.cpp",
     "csrc/work.cpp",

@@ -2,7 +2,6 @@
 // (a pynccl.ReduceOp) or a PremulSum object, so pynccl/backends/nccl.py can bind these methods
 // as its own attributes and a SUM pays for one PyLong_Check. Host waits release the GIL.
 #include <pybind11/stl.h>
-#include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 
 #include "bucket.h"
@@ -45,6 +44,17 @@ void set_python_error(const char* class_name, const char* message) {
   }
 }
 
+// torch.<name> (e.g. torch.OutOfMemoryError), or RuntimeError where this torch lacks it.
+void set_torch_error(const char* class_name, const char* message) {
+  try {
+    py::object cls = py::module_::import("torch").attr(class_name);
+    PyErr_SetString(cls.ptr(), message);
+  } catch (py::error_already_set&) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_RuntimeError, message);
+  }
+}
+
 py::dict entry_to_dict(const FlightEntry& e) {
   py::dict d;
   d["seq"] = e.seq;
@@ -69,6 +79,8 @@ PYBIND11_MODULE(_C, m) {
   using namespace pynccl;
   m.doc() = "pynccl's C++ core: NCCL communicators, collectives, watchdog, fused bucket kernels.";
 
+  // NOTE: c10 errors are mapped here too (as torch maps them), so the message never depends on
+  // torch_python's translator or on TORCH_SHOW_CPP_STACKTRACES.
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -76,9 +88,22 @@ PYBIND11_MODULE(_C, m) {
       set_python_error("CommTimeoutError", e.what());
     } catch (const Error& e) {
       set_python_error("PyncclError", e.what());
-    } catch (const c10::Error&) {
-      // ValueError/TypeError/OutOfMemoryError/... exactly as torch's own functions raise them.
-      torch::translate_exception_to_python(std::current_exception());
+    } catch (const ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    } catch (const c10::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::NotImplementedError& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+    } catch (const c10::OutOfMemoryError& e) {
+      set_torch_error("OutOfMemoryError", e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     }
   });
 
@@ -96,6 +121,21 @@ PYBIND11_MODULE(_C, m) {
         return py::bytes(id.internal, sizeof(id.internal));
       },
       "A fresh ncclUniqueId (128 bytes) for rank 0 to share with the others.");
+  m.def(
+      "_raise_for_test",
+      [](const std::string& kind, bool release_gil) {
+        // Test hook: raise each kind of C++ error, with or without the GIL, through the translator.
+        std::optional<py::gil_scoped_release> release;
+        if (release_gil) release.emplace();
+        if (kind == "value") PYNCCL_CHECK_VALUE(false, "test ValueError");
+        if (kind == "type") PYNCCL_CHECK_TYPE(false, "test TypeError");
+        if (kind == "error") throw Error("test PyncclError");
+        if (kind == "timeout") throw TimeoutError("test CommTimeoutError");
+        if (kind == "c10_value") TORCH_CHECK_VALUE(false, "test c10::ValueError");
+        if (kind == "c10_error") TORCH_CHECK(false, "test c10::Error");
+        if (kind == "std") throw std::runtime_error("test std::runtime_error");
+      },
+      py::arg("kind"), py::arg("release_gil") = false);
   m.def("native_alltoall_available", [] { return optional_nccl_api().alltoall != nullptr; },
         "Whether ncclAlltoAll/Gather/Scatter (NCCL >= 2.28) are used.");
   m.def("pack", &pack, py::arg("tensors"), py::arg("flat"), py::arg("scale") = 1.0,

@@ -25,9 +25,9 @@ ElemType elem_type(c10::ScalarType dtype) {
 }
 
 void check_dense_cuda(const char* fn, const std::string& what, const at::Tensor& t) {
-  TORCH_CHECK_TYPE(t.defined(), fn, ": ", what, " must be a tensor, got None");
-  TORCH_CHECK_VALUE(t.is_cuda(), fn, ": ", what, " must be a CUDA tensor, got a tensor on ", t.device().str());
-  TORCH_CHECK_VALUE(t.layout() == c10::kStrided && t.is_contiguous(), fn, ": ", what,
+  PYNCCL_CHECK_TYPE(t.defined(), fn, ": ", what, " must be a tensor, got None");
+  PYNCCL_CHECK_VALUE(t.is_cuda(), fn, ": ", what, " must be a CUDA tensor, got a tensor on ", t.device().str());
+  PYNCCL_CHECK_VALUE(t.layout() == c10::kStrided && t.is_contiguous(), fn, ": ", what,
                     " must be contiguous (non-contiguous tensors are rejected), got sizes ", t.sizes(), " and strides ",
                     t.strides());
 }
@@ -41,23 +41,23 @@ void bucket_copy(const char* fn, const std::vector<at::Tensor>& tensors, const a
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::string what = "tensors[" + std::to_string(i) + "]";
     check_dense_cuda(fn, what, tensors[i]);
-    TORCH_CHECK_VALUE(tensors[i].get_device() == flat.get_device(), fn, ": ", what, " is on ",
+    PYNCCL_CHECK_VALUE(tensors[i].get_device() == flat.get_device(), fn, ": ", what, " is on ",
                       tensors[i].device().str(), ", but flat is on ", flat.device().str());
-    TORCH_CHECK_TYPE(tensors[i].scalar_type() == dtype, fn, ": ", what, " has dtype ", tensors[i].scalar_type(),
+    PYNCCL_CHECK_TYPE(tensors[i].scalar_type() == dtype, fn, ": ", what, " has dtype ", tensors[i].scalar_type(),
                      ", expected ", dtype, " (the dtype of tensors[0]); one call takes one dtype");
     total += tensors[i].numel();
   }
   const ElemType tensor_type = elem_type(dtype);
   const ElemType flat_type = elem_type(flat.scalar_type());
   if (dtype != flat.scalar_type()) {
-    TORCH_CHECK_TYPE(tensor_type != ElemType::kBytes && flat_type != ElemType::kBytes, fn, ": cannot cast between ",
+    PYNCCL_CHECK_TYPE(tensor_type != ElemType::kBytes && flat_type != ElemType::kBytes, fn, ": cannot cast between ",
                      dtype, " and ", flat.scalar_type(), " (casts are between float32, float16, bfloat16 and float64)");
   }
   if (scale != 1.0) {
-    TORCH_CHECK_VALUE(tensor_type != ElemType::kBytes, fn, ": scale ", scale, " needs floating-point tensors, got ",
+    PYNCCL_CHECK_VALUE(tensor_type != ElemType::kBytes, fn, ": scale ", scale, " needs floating-point tensors, got ",
                       dtype);
   }
-  TORCH_CHECK_VALUE(total <= flat.numel(), fn, ": tensors hold ", total, " elements in total, but flat has ",
+  PYNCCL_CHECK_VALUE(total <= flat.numel(), fn, ": tensors hold ", total, " elements in total, but flat has ",
                     flat.numel());
 
   c10::cuda::CUDAGuard guard(flat.device());

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -23,6 +24,28 @@ class TimeoutError : public Error {
  public:
   using Error::Error;
 };
+
+// Bad input (Python: ValueError / TypeError), thrown by PYNCCL_CHECK_VALUE / _TYPE below.
+// NOTE: our own classes rather than c10's TORCH_CHECK_VALUE/TYPE: bindings.cpp translates them
+// itself, so argument errors never depend on torch_python's translator (a c10::Error crossing
+// our module crashed under torch 2.11 on the GPU machine) and can be thrown without the GIL.
+class ValueError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+class TypeError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// Streams every argument into one string (anything with operator<<: c10 dtypes, sizes, ...).
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream out;
+  (out << ... << args);
+  return out.str();
+}
 
 [[noreturn]] inline void throw_nccl_error(ncclResult_t result, const char* call, const char* file, int line,
                                           ncclComm_t comm) {
@@ -55,4 +78,15 @@ class TimeoutError : public Error {
     cudaError_t pynccl_err_ = (call);                                                    \
     if (__builtin_expect(pynccl_err_ != cudaSuccess, 0))                                 \
       ::pynccl::throw_cuda_error(pynccl_err_, #call, __FILE__, __LINE__);                \
+  } while (0)
+
+// Argument checks: the message names what was expected and what was given.
+#define PYNCCL_CHECK_VALUE(cond, ...)                                                    \
+  do {                                                                                   \
+    if (__builtin_expect(!(cond), 0)) throw ::pynccl::ValueError(::pynccl::concat(__VA_ARGS__)); \
+  } while (0)
+
+#define PYNCCL_CHECK_TYPE(cond, ...)                                                     \
+  do {                                                                                   \
+    if (__builtin_expect(!(cond), 0)) throw ::pynccl::TypeError(::pynccl::concat(__VA_ARGS__)); \
   } while (0)

@@ -21,15 +21,15 @@ constexpr ncclRedOp_t kPremulMarker = ncclNumOps;  // "create a PreMulSum op for
 
 // Validates `op` for `dtype`: ValueError for an unknown op or a float-only op on integers.
 ncclRedOp_t builtin_op(const char* fn, int op, c10::ScalarType dtype) {
-  TORCH_CHECK_VALUE(op >= 0 && op < kNumReduceOps, fn, ": op must be a pynccl.ReduceOp (0..", kNumReduceOps - 1,
+  PYNCCL_CHECK_VALUE(op >= 0 && op < kNumReduceOps, fn, ": op must be a pynccl.ReduceOp (0..", kNumReduceOps - 1,
                     "), got ", op);
   const auto reduce_op = static_cast<ReduceOp>(op);
   if (reduce_op == ReduceOp::kAvg || reduce_op == ReduceOp::kPremulSum) {
-    TORCH_CHECK_VALUE(is_floating_for_reduce(dtype), fn, ": ReduceOp.", reduce_op_name(op),
+    PYNCCL_CHECK_VALUE(is_floating_for_reduce(dtype), fn, ": ReduceOp.", reduce_op_name(op),
                       " needs a floating-point tensor, got ", dtype);
   }
   if (c10::isComplexType(dtype)) {
-    TORCH_CHECK_VALUE(reduce_op == ReduceOp::kSum || reduce_op == ReduceOp::kAvg || reduce_op == ReduceOp::kPremulSum,
+    PYNCCL_CHECK_VALUE(reduce_op == ReduceOp::kSum || reduce_op == ReduceOp::kAvg || reduce_op == ReduceOp::kPremulSum,
                       fn, ": ReduceOp.", reduce_op_name(op), " is not defined for complex tensors (", dtype, ")");
   }
   switch (reduce_op) {
@@ -61,7 +61,7 @@ class ScopedRedOp {
       case c10::kBFloat16: store(scalar, c10::BFloat16(static_cast<float>(factor))); break;
       case c10::kFloat8_e4m3fn: store(scalar, c10::Float8_e4m3fn(static_cast<float>(factor))); break;
       case c10::kFloat8_e5m2: store(scalar, c10::Float8_e5m2(static_cast<float>(factor))); break;
-      default: TORCH_CHECK_VALUE(false, "ReduceOp.PREMUL_SUM needs a floating-point tensor, got ", dtype);
+      default: PYNCCL_CHECK_VALUE(false, "ReduceOp.PREMUL_SUM needs a floating-point tensor, got ", dtype);
     }
     // ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar, ncclDataType_t datatype,
     //                                       ncclScalarResidence_t residence, ncclComm_t comm);
@@ -156,7 +156,7 @@ std::shared_ptr<Work> Communicator::all_gather_into_tensor(const at::Tensor& out
   const TensorArg in = check_tensor(fn, "input", input, device_);
   const TensorArg out = check_tensor(fn, "output", output, device_);
   check_same_dtype(fn, "output", out, "input", in);
-  TORCH_CHECK_VALUE(out.numel == in.numel * world_size_, fn, ": output has ", out.numel,
+  PYNCCL_CHECK_VALUE(out.numel == in.numel * world_size_, fn, ": output has ", out.numel,
                     " elements, expected world_size(", world_size_, ") \u00d7 input(", in.numel,
                     ") = ", in.numel * world_size_);
   OpScope scope(*this, fn, in.dtype, in.numel, -1, async_op);
@@ -197,7 +197,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter_tensor(const at::Tensor& outp
   const TensorArg out = check_tensor(fn, "output", output, device_);
   const TensorArg in = check_tensor(fn, "input", input, device_);
   check_same_dtype(fn, "input", in, "output", out);
-  TORCH_CHECK_VALUE(in.numel == out.numel * world_size_, fn, ": input has ", in.numel,
+  PYNCCL_CHECK_VALUE(in.numel == out.numel * world_size_, fn, ": input has ", in.numel,
                     " elements, expected world_size(", world_size_, ") \u00d7 output(", out.numel,
                     ") = ", out.numel * world_size_);
   const ncclRedOp_t builtin = builtin_op(fn, op, out.dtype);

@@ -98,12 +98,13 @@ const char* op_state_name(OpState state) {
 Communicator::Communicator(const std::string& unique_id, int world_size, int rank, int device, CommOptions options)
     : world_size_(world_size), rank_(rank), device_(device), options_(std::move(options)),
       timeout_s_(options_.timeout_s) {
-  TORCH_CHECK_VALUE(unique_id.size() == sizeof(ncclUniqueId), "Communicator: unique_id must be ",
-                    sizeof(ncclUniqueId), " bytes (from get_unique_id()), got ", unique_id.size());
-  TORCH_CHECK_VALUE(world_size >= 1, "Communicator: world_size must be >= 1, got ", world_size);
-  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "Communicator: rank ", rank, " is out of range for world_size ",
-                    world_size);
-  TORCH_CHECK_VALUE(options_.timeout_s > 0, "Communicator: timeout_s must be > 0, got ", options_.timeout_s);
+  // NOTE: runs without the GIL; PYNCCL_CHECK_* throw pynccl's own exceptions (see check.h).
+  PYNCCL_CHECK_VALUE(unique_id.size() == sizeof(ncclUniqueId), "Communicator: unique_id must be ",
+                     sizeof(ncclUniqueId), " bytes (from get_unique_id()), got ", unique_id.size());
+  PYNCCL_CHECK_VALUE(world_size >= 1, "Communicator: world_size must be >= 1, got ", world_size);
+  PYNCCL_CHECK_VALUE(rank >= 0 && rank < world_size, "Communicator: rank ", rank, " is out of range for world_size ",
+                     world_size);
+  PYNCCL_CHECK_VALUE(options_.timeout_s > 0, "Communicator: timeout_s must be > 0, got ", options_.timeout_s);
   if (options_.name.empty()) options_.name = "comm" + std::to_string(g_num_comms.fetch_add(1));
 
   const int runtime = nccl_runtime_version();
@@ -121,8 +122,8 @@ Communicator::Communicator(const std::string& unique_id, int world_size, int ran
                                     : std::string("cudaGetDeviceCount found 0 devices")) +
                 "); use the gloo backend on machines without a GPU");
   }
-  TORCH_CHECK_VALUE(device >= 0 && device < num_devices, "Communicator: device ", device,
-                    " is out of range: this process sees ", num_devices, " CUDA device(s)");
+  PYNCCL_CHECK_VALUE(device >= 0 && device < num_devices, "Communicator: device ", device,
+                     " is out of range: this process sees ", num_devices, " CUDA device(s)");
 
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   ncclUniqueId id;
@@ -201,7 +202,7 @@ std::string Communicator::describe() const {
 }
 
 void Communicator::set_timeout_s(double timeout_s) {
-  TORCH_CHECK_VALUE(timeout_s > 0, "timeout_s must be > 0, got ", timeout_s);
+  PYNCCL_CHECK_VALUE(timeout_s > 0, "timeout_s must be > 0, got ", timeout_s);
   timeout_s_.store(timeout_s);
 }
 
@@ -344,7 +345,7 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, std::optio
                                                   const std::string& name) {
   check_usable("split");
   const double timeout = timeout_s.value_or(this->timeout_s());
-  TORCH_CHECK_VALUE(timeout > 0, "split: timeout_s must be > 0, got ", timeout);
+  PYNCCL_CHECK_VALUE(timeout > 0, "split: timeout_s must be > 0, got ", timeout);
   CommOptions child = options_;
   child.timeout_s = timeout;
   child.name = !name.empty() ? name : options_.name + ".split" + std::to_string(color);
@@ -407,85 +408,6 @@ void Communicator::check() {
     fail(/*is_timeout=*/false, msg, /*caller_in_flight=*/false);
     throw Error("check: " + describe() + " was aborted: " + msg);
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-OpScope::OpScope(Communicator& owner, const char* op, c10::ScalarType dtype, int64_t count, int peer, bool async_op)
-    : owner_(owner), guard_(static_cast<c10::DeviceIndex>(owner.device_)), op_(op), dtype_(dtype), count_(count),
-      peer_(peer), async_op_(async_op) {
-  owner_.in_flight_.fetch_add(1);
-  try {
-    owner_.check_usable(op);
-    if (owner_.graveyard_nonempty_.load(std::memory_order_relaxed)) owner_.drain_graveyard();
-    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(owner_.device_));
-    tracked_ = async_op_ || owner_.track_sync_ops();
-    if (tracked_) {
-      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-      PYNCCL_CHECK_CUDA(cudaStreamIsCapturing(current.stream(), &status));
-      capturing_ = status != cudaStreamCaptureStatusNone;
-    }
-    if (async_op_) {
-      // The comm stream starts after everything already queued on the caller's stream.
-      cudaEvent_t ready = owner_.events_->get();
-      const cudaError_t record_err = cudaEventRecord(ready, current.stream());
-      const cudaError_t wait_err = record_err == cudaSuccess
-                                       ? cudaStreamWaitEvent(owner_.comm_stream_->stream(), ready, 0)
-                                       : cudaSuccess;
-      owner_.events_->put(ready);  // NOTE: the wait captured the record; the event may be reused now
-      PYNCCL_CHECK_CUDA(record_err);
-      PYNCCL_CHECK_CUDA(wait_err);
-      stream_ = *owner_.comm_stream_;
-    } else {
-      stream_ = current;
-    }
-    seq_ = owner_.seq_.fetch_add(1, std::memory_order_relaxed);
-    enqueued_ = std::chrono::steady_clock::now();
-  } catch (...) {
-    owner_.in_flight_.fetch_sub(1);
-    throw;
-  }
-}
-
-std::shared_ptr<Work> OpScope::finish() {
-  const bool watch = tracked_ && !capturing_;  // events recorded during capture cannot be polled
-  cudaEvent_t done = nullptr;
-  if (async_op_ || watch) {
-    done = owner_.events_->get();
-    const cudaError_t err = cudaEventRecord(done, stream_->stream());
-    if (err != cudaSuccess) {
-      owner_.events_->put(done);
-      PYNCCL_CHECK_CUDA(err);
-    }
-  }
-  std::shared_ptr<WorkState> work;
-  if (async_op_) {
-    work = std::make_shared<WorkState>(seq_, op_, done, capturing_, owner_.events_);
-    work->tensors = std::move(tensors_);
-  }
-  const OpState state = capturing_ ? OpState::kCaptured : (tracked_ ? OpState::kEnqueued : OpState::kUntracked);
-  const int64_t enqueue_us =
-      std::chrono::duration_cast<std::chrono::microseconds>(enqueued_.time_since_epoch()).count() +
-      owner_.epoch_offset_us_;
-  {
-    std::lock_guard<std::mutex> lock(owner_.mutex_);
-    owner_.ring_[seq_ % owner_.ring_.size()] = FlightEntry{seq_, op_, dtype_, count_, peer_, async_op_, enqueue_us, state};
-    if (watch) owner_.new_ops_.push_back(TrackedOp{seq_, op_, done, enqueued_, work});
-  }
-  finished_ = true;
-  if (!async_op_) return nullptr;
-  return std::make_shared<Work>(owner_.shared_from_this(), std::move(work));
-}
-
-OpScope::~OpScope() {
-  if (!finished_) {
-    // The op threw after it got a sequence number: leave a trace of it in the flight record.
-    try {
-      std::lock_guard<std::mutex> lock(owner_.mutex_);
-      owner_.ring_[seq_ % owner_.ring_.size()] = FlightEntry{seq_, op_, dtype_, count_, peer_, async_op_, 0, OpState::kFailed};
-    } catch (...) {
-    }
-  }
-  owner_.in_flight_.fetch_sub(1);
 }
 
 }  // namespace pynccl

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <nccl.h>
 
+#include "check.h"
 #include "nccl_api.h"
 
 namespace pynccl {
@@ -51,16 +52,16 @@ inline NcclType to_nccl_type(const char* fn, c10::ScalarType dtype) {
     case c10::kFloat8_e5m2: {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 24, 0)
       const int runtime = nccl_runtime_version();
-      TORCH_CHECK_TYPE(runtime >= kFp8Version, fn, ": ", dtype, " needs NCCL >= 2.24 at run time, but this process "
+      PYNCCL_CHECK_TYPE(runtime >= kFp8Version, fn, ": ", dtype, " needs NCCL >= 2.24 at run time, but this process "
                        "loaded NCCL ", nccl_version_string(runtime));
       return {dtype == c10::kFloat8_e4m3fn ? ncclFloat8e4m3 : ncclFloat8e5m2, 1};
 #else
-      TORCH_CHECK_TYPE(false, fn, ": ", dtype, " needs NCCL >= 2.24, but pynccl._C was built against NCCL ",
+      PYNCCL_CHECK_TYPE(false, fn, ": ", dtype, " needs NCCL >= 2.24, but pynccl._C was built against NCCL ",
                        nccl_version_string(NCCL_VERSION_CODE), " headers; rebuild against a newer NCCL");
 #endif
     }
     default:
-      TORCH_CHECK_TYPE(false, fn, ": dtype ", dtype, " is not supported by the nccl backend (supported: ",
+      PYNCCL_CHECK_TYPE(false, fn, ": dtype ", dtype, " is not supported by the nccl backend (supported: ",
                        supported_dtypes_text(), ")");
   }
   return {ncclFloat32, 1};  // unreachable: every failing branch above throws

@@ -1,5 +1,5 @@
 // Input checks shared by every op family (collectives.cpp, p2p.cpp) and the NCCL group guard.
-// Checks run before NCCL sees anything and raise ValueError/TypeError (TORCH_CHECK_VALUE/TYPE)
+// Checks run before NCCL sees anything and raise ValueError/TypeError (PYNCCL_CHECK_VALUE/TYPE)
 // naming what was expected and what was given; the fast path is a handful of inline tests.
 #pragma once
 
@@ -33,12 +33,12 @@ inline std::string arg_name(const char* what, int64_t index) {
                                             int device) {
   const std::string name = arg_name(what, index);
   const std::string which = name == "tensor" ? "" : " (" + name + ")";
-  TORCH_CHECK_TYPE(t.defined(), fn, ": ", name, " must be a tensor, got None");
-  TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device, fn, ": expected a CUDA tensor on cuda:", device,
+  PYNCCL_CHECK_TYPE(t.defined(), fn, ": ", name, " must be a tensor, got None");
+  PYNCCL_CHECK_VALUE(t.is_cuda() && t.get_device() == device, fn, ": expected a CUDA tensor on cuda:", device,
                     " for the nccl backend, got a tensor on ", t.device().str(), which);
-  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, fn, ": ", name, " must be a dense (strided) tensor, got layout ",
+  PYNCCL_CHECK_VALUE(t.layout() == c10::kStrided, fn, ": ", name, " must be a dense (strided) tensor, got layout ",
                     t.layout());
-  TORCH_CHECK_VALUE(false, fn, ": ", name, " must be contiguous (non-contiguous tensors are rejected; call "
+  PYNCCL_CHECK_VALUE(false, fn, ": ", name, " must be contiguous (non-contiguous tensors are rejected; call "
                     ".contiguous() first), got sizes ", t.sizes(), " and strides ", t.strides());
   throw Error("unreachable");  // every check above fails for a tensor that reached here
 }
@@ -58,12 +58,12 @@ inline TensorArg check_tensor(const char* fn, const char* what, const at::Tensor
 
 inline void check_same_dtype(const char* fn, const std::string& what, const TensorArg& arg, const char* ref_what,
                              const TensorArg& ref) {
-  TORCH_CHECK_TYPE(arg.dtype == ref.dtype, fn, ": ", what, " has dtype ", arg.dtype, ", expected ", ref.dtype,
+  PYNCCL_CHECK_TYPE(arg.dtype == ref.dtype, fn, ": ", what, " has dtype ", arg.dtype, ", expected ", ref.dtype,
                    " (the dtype of ", ref_what, ")");
 }
 
 inline void check_rank(const char* fn, const char* what, int64_t rank, int world_size) {
-  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, fn, ": ", what, " ", rank,
+  PYNCCL_CHECK_VALUE(rank >= 0 && rank < world_size, fn, ": ", what, " ", rank,
                     " is out of range for a communicator of world_size ", world_size);
 }
 
@@ -71,14 +71,14 @@ inline void check_rank(const char* fn, const char* what, int64_t rank, int world
 inline std::vector<TensorArg> check_tensor_list(const char* fn, const char* what, const std::vector<at::Tensor>& list,
                                                 int device, int world_size, const char* ref_what,
                                                 const TensorArg& ref) {
-  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == world_size, fn, ": ", what, " has ", list.size(),
+  PYNCCL_CHECK_VALUE(static_cast<int>(list.size()) == world_size, fn, ": ", what, " has ", list.size(),
                     " tensors, expected world_size(", world_size, ")");
   std::vector<TensorArg> args;
   args.reserve(list.size());
   for (size_t i = 0; i < list.size(); ++i) {
     args.push_back(check_tensor(fn, what, list[i], device, static_cast<int64_t>(i)));
     check_same_dtype(fn, arg_name(what, static_cast<int64_t>(i)), args.back(), ref_what, ref);
-    TORCH_CHECK_VALUE(args.back().numel == ref.numel, fn, ": ", arg_name(what, static_cast<int64_t>(i)), " has ",
+    PYNCCL_CHECK_VALUE(args.back().numel == ref.numel, fn, ": ", arg_name(what, static_cast<int64_t>(i)), " has ",
                       args.back().numel, " elements, expected ", ref.numel, " (the size of ", ref_what, ")");
   }
   return args;

@@ -21,7 +21,7 @@ namespace {
 
 // Rows of dim 0 and elements per row; a 0-d tensor has no rows to split.
 std::pair<int64_t, int64_t> rows_of(const char* fn, const char* what, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.dim() >= 1, fn, ": ", what, " must have at least one dimension to split, got a 0-d tensor");
+  PYNCCL_CHECK_VALUE(t.dim() >= 1, fn, ": ", what, " must have at least one dimension to split, got a 0-d tensor");
   int64_t row_numel = 1;
   for (int64_t d = 1; d < t.dim(); ++d) row_numel *= t.size(d);
   return {t.size(0), row_numel};
@@ -31,15 +31,15 @@ std::pair<int64_t, int64_t> rows_of(const char* fn, const char* what, const at::
 std::vector<int64_t> resolve_splits(const char* fn, const char* what, const std::vector<int64_t>& splits,
                                     int64_t num_rows, int world_size) {
   if (splits.empty()) {
-    TORCH_CHECK_VALUE(num_rows % world_size == 0, fn, ": ", what, " has ", num_rows,
+    PYNCCL_CHECK_VALUE(num_rows % world_size == 0, fn, ": ", what, " has ", num_rows,
                       " rows in dim 0, which world_size(", world_size, ") does not divide; pass split sizes");
     return std::vector<int64_t>(world_size, num_rows / world_size);
   }
-  TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == world_size, fn, ": ", what, "_split_sizes has ", splits.size(),
+  PYNCCL_CHECK_VALUE(static_cast<int>(splits.size()) == world_size, fn, ": ", what, "_split_sizes has ", splits.size(),
                     " entries, expected world_size(", world_size, ")");
-  for (const int64_t s : splits) TORCH_CHECK_VALUE(s >= 0, fn, ": ", what, "_split_sizes has a negative entry ", s);
+  for (const int64_t s : splits) PYNCCL_CHECK_VALUE(s >= 0, fn, ": ", what, "_split_sizes has a negative entry ", s);
   const int64_t total = std::accumulate(splits.begin(), splits.end(), int64_t{0});
-  TORCH_CHECK_VALUE(total == num_rows, fn, ": ", what, "_split_sizes sum to ", total, ", but ", what, " has ", num_rows,
+  PYNCCL_CHECK_VALUE(total == num_rows, fn, ": ", what, "_split_sizes sum to ", total, ", but ", what, " has ", num_rows,
                     " rows in dim 0");
   return splits;
 }
@@ -49,7 +49,7 @@ std::vector<int64_t> resolve_splits(const char* fn, const char* what, const std:
 std::shared_ptr<Work> Communicator::send(const at::Tensor& tensor, int peer, bool async_op) {
   const TensorArg t = check_tensor("send", "tensor", tensor, device_);
   check_rank("send", "peer", peer, world_size_);
-  TORCH_CHECK_VALUE(peer != rank_, "send: peer ", peer, " is this rank; a send to yourself needs its recv in the same "
+  PYNCCL_CHECK_VALUE(peer != rank_, "send: peer ", peer, " is this rank; a send to yourself needs its recv in the same "
                     "batch_isend_irecv");
   OpScope scope(*this, "send", t.dtype, t.numel, peer, async_op);
   PYNCCL_CHECK_NCCL_COMM(*this, ncclSend(t.ptr, t.count, t.type, peer, comm_, scope.stream()));
@@ -60,7 +60,7 @@ std::shared_ptr<Work> Communicator::send(const at::Tensor& tensor, int peer, boo
 std::shared_ptr<Work> Communicator::recv(const at::Tensor& tensor, int peer, bool async_op) {
   const TensorArg t = check_tensor("recv", "tensor", tensor, device_);
   check_rank("recv", "peer", peer, world_size_);
-  TORCH_CHECK_VALUE(peer != rank_, "recv: peer ", peer, " is this rank; a recv from yourself needs its send in the "
+  PYNCCL_CHECK_VALUE(peer != rank_, "recv: peer ", peer, " is this rank; a recv from yourself needs its send in the "
                     "same batch_isend_irecv");
   OpScope scope(*this, "recv", t.dtype, t.numel, peer, async_op);
   PYNCCL_CHECK_NCCL_COMM(*this, ncclRecv(t.ptr, t.count, t.type, peer, comm_, scope.stream()));
@@ -70,7 +70,7 @@ std::shared_ptr<Work> Communicator::recv(const at::Tensor& tensor, int peer, boo
 
 std::shared_ptr<Work> Communicator::batch_isend_irecv(const std::vector<std::tuple<bool, at::Tensor, int64_t>>& ops) {
   const char* fn = "batch_isend_irecv";
-  TORCH_CHECK_VALUE(!ops.empty(), fn, ": ops is empty");
+  PYNCCL_CHECK_VALUE(!ops.empty(), fn, ": ops is empty");
   std::vector<TensorArg> args;
   args.reserve(ops.size());
   int64_t total = 0;
@@ -100,9 +100,9 @@ std::shared_ptr<Work> Communicator::batch_isend_irecv(const std::vector<std::tup
 std::shared_ptr<Work> Communicator::all_to_all(const std::vector<at::Tensor>& outputs,
                                                const std::vector<at::Tensor>& inputs, bool async_op) {
   const char* fn = "all_to_all";
-  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == world_size_, fn, ": input_list has ", inputs.size(),
+  PYNCCL_CHECK_VALUE(static_cast<int>(inputs.size()) == world_size_, fn, ": input_list has ", inputs.size(),
                     " tensors, expected world_size(", world_size_, ")");
-  TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == world_size_, fn, ": output_list has ", outputs.size(),
+  PYNCCL_CHECK_VALUE(static_cast<int>(outputs.size()) == world_size_, fn, ": output_list has ", outputs.size(),
                     " tensors, expected world_size(", world_size_, ")");
   std::vector<TensorArg> ins;
   std::vector<TensorArg> outs;
@@ -138,11 +138,11 @@ std::shared_ptr<Work> Communicator::all_to_all_single(const at::Tensor& output, 
   check_same_dtype(fn, "output", out, "input", in);
   const auto [in_rows, in_row_numel] = rows_of(fn, "input", input);
   const auto [out_rows, out_row_numel] = rows_of(fn, "output", output);
-  TORCH_CHECK_VALUE(in_row_numel == out_row_numel, fn, ": output rows have ", out_row_numel,
+  PYNCCL_CHECK_VALUE(in_row_numel == out_row_numel, fn, ": output rows have ", out_row_numel,
                     " elements, input rows have ", in_row_numel, "; they must match");
   const bool equal = input_splits.empty() && output_splits.empty();
   if (equal) {
-    TORCH_CHECK_VALUE(out.numel == in.numel, fn, ": without split sizes, output must have as many elements as input, "
+    PYNCCL_CHECK_VALUE(out.numel == in.numel, fn, ": without split sizes, output must have as many elements as input, "
                       "got output ", out.numel, " and input ", in.numel);
   }
   const std::vector<int64_t> in_splits = resolve_splits(fn, "input", input_splits, in_rows, world_size_);
@@ -187,7 +187,7 @@ std::shared_ptr<Work> Communicator::gather(const at::Tensor& input, const std::v
   if (is_root) {
     outs = check_tensor_list(fn, "gather_list", gather_list, device_, world_size_, "input", in);
   } else {
-    TORCH_CHECK_VALUE(gather_list.empty(), fn, ": gather_list must be empty on non-root ranks (rank ", rank_,
+    PYNCCL_CHECK_VALUE(gather_list.empty(), fn, ": gather_list must be empty on non-root ranks (rank ", rank_,
                       ", root ", root, "), got ", gather_list.size(), " tensors");
   }
   const RootedFn native = use_native_alltoall_ ? optional_nccl_api().gather : nullptr;
@@ -237,7 +237,7 @@ std::shared_ptr<Work> Communicator::scatter(const at::Tensor& output, const std:
   if (is_root) {
     ins = check_tensor_list(fn, "scatter_list", scatter_list, device_, world_size_, "output", out);
   } else {
-    TORCH_CHECK_VALUE(scatter_list.empty(), fn, ": scatter_list must be empty on non-root ranks (rank ", rank_,
+    PYNCCL_CHECK_VALUE(scatter_list.empty(), fn, ": scatter_list must be empty on non-root ranks (rank ", rank_,
                       ", root ", root, "), got ", scatter_list.size(), " tensors");
   }
   const RootedFn native = use_native_alltoall_ ? optional_nccl_api().scatter : nullptr;

@@ -172,7 +172,7 @@ size_t Communicator::flight_recorder_size() const {
 }
 
 void Communicator::set_flight_recorder_size(size_t size) {
-  TORCH_CHECK_VALUE(size >= 1, "flight_recorder_size must be >= 1, got ", size);
+  PYNCCL_CHECK_VALUE(size >= 1, "flight_recorder_size must be >= 1, got ", size);
   const std::vector<FlightEntry> entries = flight_record();
   std::lock_guard<std::mutex> lock(mutex_);
   ring_.assign(size, FlightEntry{});

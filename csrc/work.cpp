@@ -106,7 +106,7 @@ bool Work::synchronize(std::optional<double> timeout_s) {
                 ") was captured in a CUDA graph; synchronize the replay stream instead");
   }
   const double timeout = timeout_s.value_or(comm_->timeout_s());
-  TORCH_CHECK_VALUE(timeout > 0, "synchronize: timeout_s must be > 0, got ", timeout);
+  PYNCCL_CHECK_VALUE(timeout > 0, "synchronize: timeout_s must be > 0, got ", timeout);
   if (!wait_event(state_->event, timeout)) {
     char buf[32];
     std::snprintf(buf, sizeof(buf), "%.3g s", timeout);

@@ -98,3 +98,14 @@ def test_nccl_backend_implements_the_interface():
     assert issubclass(NcclBackend, Backend)
     assert not NcclBackend.__abstractmethods__
     assert issubclass(_c().Work, Work)
+
+
+@pytest.mark.parametrize("release_gil", [False, True], ids=["gil", "nogil"])
+@pytest.mark.parametrize("kind, exc", [("value", ValueError), ("type", TypeError), ("error", PyncclError),
+                                       ("timeout", CommTimeoutError), ("c10_value", ValueError),
+                                       ("c10_error", RuntimeError), ("std", RuntimeError)])
+def test_cpp_errors_reach_python_as_the_right_class(kind, exc, release_gil):
+    with pytest.raises(exc, match="^test ") as info:
+        _c()._raise_for_test(kind, release_gil)
+    if kind == "error":
+        assert not isinstance(info.value, CommTimeoutError)
