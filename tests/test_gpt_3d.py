@@ -48,6 +48,10 @@ TWO_RANK_LAYOUTS = {
     "tp2 SP": "--tp 2 --sequence-parallel",
     "dp2 checkpointing": "--dp 2 --activation-checkpointing",
 }
+# Dropout draws layout-dependent masks, so these two are compared with each other: recomputation
+# must redraw exactly the forward's masks (default generator and the TP tracker's sharded state).
+DROPOUT_TWO = {"tp2 SP dropout": "--tp 2 --sequence-parallel --dropout 0.1",
+               "tp2 SP dropout checkpointing": "--tp 2 --sequence-parallel --dropout 0.1 --activation-checkpointing"}
 RESUME_FOUR = {"dp4 from tp2-pp2": "--dp 4", "dp2-tp2 ZeRO-2 from tp2-pp2": "--dp 2 --tp 2 --zero 2"}
 
 
@@ -110,7 +114,7 @@ def one_rank_case(rank, world_size, tmp):
 
 
 def two_rank_case(rank, world_size, tmp):
-    return run_layouts(TWO_RANK_LAYOUTS, tmp)
+    return {**run_layouts(TWO_RANK_LAYOUTS, tmp), **run_layouts(DROPOUT_TWO, tmp)}
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +141,13 @@ def test_layout_matches_single_process(runs, layout):
     assert start == 0
     assert_close_rel(losses, ref_losses, f"{layout} loss")
     assert_close_rel(norms, ref_norms, f"{layout} grad norm")
+
+
+def test_activation_checkpointing_redraws_the_same_dropout_masks(runs):
+    (plain, plain_norms, _), (recomputed, recomputed_norms, _) = (runs[name] for name in DROPOUT_TWO)
+    assert_close_rel(recomputed, plain, "loss with checkpointing")
+    assert_close_rel(recomputed_norms, plain_norms, "grad norm with checkpointing")
+    assert abs(plain[0] - runs["single"][0][0]) > 1e-3                      # dropout is really on
 
 
 @pytest.mark.parametrize("layout", list(RESUME_FOUR) + ["single from tp2-pp2"])

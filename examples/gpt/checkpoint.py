@@ -117,8 +117,10 @@ def load(path: str, model, optimizer, mesh, spec, names, config) -> dict:
     ckpt = checkpoint_io.load(resolve(path))
     if ckpt.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} checkpoint (format {ckpt.get('format')!r})")
-    if ckpt["config"] != config.to_dict():
-        diff = {k: (v, config.to_dict().get(k)) for k, v in ckpt["config"].items() if config.to_dict().get(k) != v}
+    now = config.to_dict()
+    # Dropout is a training choice, free to change on resume; every other field fixes shapes.
+    diff = {k: (v, now.get(k)) for k, v in ckpt["config"].items() if k != "dropout" and now.get(k) != v}
+    if diff:
         raise ValueError(f"{path}: saved for another model; (saved, now) differ in {diff}")
     full_model, saved_state = ckpt["model"], ckpt["optimizer"]["state"]
     missing = [n for n in names if n not in full_model]
