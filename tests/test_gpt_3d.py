@@ -217,7 +217,7 @@ GPU_LAYOUTS = {
     8: {"dp2-tp2-pp2 (saves)": "--dp 2 --tp 2 --pp 2 --save {tmp}/gpu --save-every 10",
         "dp2-tp2-pp2 ZeRO-3 SP": "--dp 2 --tp 2 --pp 2 --zero 3 --sequence-parallel",
         "tp4-pp2 SP checkpointing": "--tp 4 --pp 2 --sequence-parallel --activation-checkpointing",
-        "dp4-tp2 ZeRO-2": "--dp 4 --tp 2 --zero 2", "pp4-dp2": "--pp 4 --dp 2 --micro-batches 4", "dp8": "--dp 8"},
+        "dp4-tp2 ZeRO-2": "--dp 4 --tp 2 --zero 2", "pp4-dp2": "--pp 4 --dp 2 --micro-batches 4", "dp8": "--dp 8 --micro-batches 1"},
 }
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
