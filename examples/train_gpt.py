@@ -119,7 +119,7 @@ def train(args: argparse.Namespace) -> dict:
 
     if mesh.rank == 0 and args.log_every:
         print(f"dp{mesh.dp_size}·tp{mesh.tp_size}·pp{mesh.pp_size} on {mesh.world_size} {device.type} process(es), "
-              f"{'DDP' if args.zero == 0 else f'ZeRO-{args.zero}'}, sequence parallel {args.sequence_parallel}, "
+              f"{f'ZeRO-{args.zero}' if args.zero else 'DDP' if mesh.dp_size > 1 else 'no data parallelism'}, sequence parallel {args.sequence_parallel}, "
               f"activation checkpointing {args.activation_checkpointing}, {args.micro_batches} micro-batches; "
               f"vocabulary {config.vocab_size} (padded {config.padded_vocab_size}); from step {start}", flush=True)
     bar = None
