@@ -136,6 +136,16 @@ PYBIND11_MODULE(_C, m) {
         if (kind == "std") throw std::runtime_error("test std::runtime_error");
       },
       py::arg("kind"), py::arg("release_gil") = false);
+  m.def(
+      "_write_flight_record_for_test",
+      [](const std::string& name, int rank, const std::string& reason) {
+        // Test hook: the watchdog's JSON dump, without a GPU (two made-up entries).
+        std::vector<FlightEntry> entries(2);
+        entries[0] = FlightEntry{0, "all_reduce", c10::kFloat, 4, -1, false, 1700000000000000, OpState::kCompleted};
+        entries[1] = FlightEntry{1, "broadcast", c10::kBFloat16, 1 << 20, 0, true, 1700000000000100, OpState::kTimedOut};
+        return write_flight_record_file(name, rank, flight_record_json(name, rank, 2, 0, reason, 2, entries));
+      },
+      py::arg("name"), py::arg("rank"), py::arg("reason"));
   m.def("native_alltoall_available", [] { return optional_nccl_api().alltoall != nullptr; },
         "Whether ncclAlltoAll/Gather/Scatter (NCCL >= 2.28) are used.");
   m.def("pack", &pack, py::arg("tensors"), py::arg("flat"), py::arg("scale") = 1.0,

@@ -8,6 +8,7 @@
 
 #include "check.h"
 #include "kernels/api.cuh"
+#include "op_helpers.h"  // message text of dtypes and sizes
 
 namespace pynccl {
 namespace {

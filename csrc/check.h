@@ -7,9 +7,10 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace pynccl {
 
@@ -26,9 +27,8 @@ class TimeoutError : public Error {
 };
 
 // Bad input (Python: ValueError / TypeError), thrown by PYNCCL_CHECK_VALUE / _TYPE below.
-// NOTE: our own classes rather than c10's TORCH_CHECK_VALUE/TYPE: bindings.cpp translates them
-// itself, so argument errors never depend on torch_python's translator (a c10::Error crossing
-// our module crashed under torch 2.11 on the GPU machine) and can be thrown without the GIL.
+// NOTE: our own classes and messages rather than TORCH_CHECK_VALUE/TYPE, whose c10::str message
+// goes through std::ostringstream: see Text below. bindings.cpp translates these itself.
 class ValueError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
@@ -39,12 +39,52 @@ class TypeError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// Streams every argument into one string (anything with operator<<: c10 dtypes, sizes, ...).
+// Text of one part of a message, specialised per type (dtypes.h and op_helpers.h add the torch
+// types). NOTE: _C formats nothing through iostreams. Built on the GPU image (/opt/gcc/bin/g++,
+// not the compiler of the libstdc++ the process loads), every message that put a number through
+// a std::ostringstream (ours, or c10::str in TORCH_CHECK) segfaulted, while string-only ones and
+// std::to_string/snprintf worked.
+template <typename T, typename Enable = void>
+struct Text;  // no primary definition: a type without a specialisation fails to compile
+
+template <>
+struct Text<std::string> {
+  static std::string of(const std::string& v) { return v; }
+};
+template <>
+struct Text<const char*> {
+  static std::string of(const char* v) { return v != nullptr ? v : "(null)"; }
+};
+template <>
+struct Text<char*> {
+  static std::string of(const char* v) { return v != nullptr ? v : "(null)"; }
+};
+template <>
+struct Text<bool> {
+  static std::string of(bool v) { return v ? "true" : "false"; }
+};
+template <typename T>
+struct Text<T, std::enable_if_t<std::is_integral<T>::value && !std::is_same<T, bool>::value>> {
+  static std::string of(T v) {
+    return std::is_signed<T>::value ? std::to_string(static_cast<long long>(v))
+                                    : std::to_string(static_cast<unsigned long long>(v));
+  }
+};
+template <typename T>
+struct Text<T, std::enable_if_t<std::is_floating_point<T>::value>> {
+  static std::string of(T v) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+    return buf;
+  }
+};
+
+// Concatenates the text of every argument.
 template <typename... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream out;
-  (out << ... << args);
-  return out.str();
+  std::string out;
+  ((out += Text<std::decay_t<Args>>::of(args)), ...);
+  return out;
 }
 
 [[noreturn]] inline void throw_nccl_error(ncclResult_t result, const char* call, const char* file, int line,

@@ -50,6 +50,12 @@ struct FlightEntry {
   OpState state = OpState::kEnqueued;
 };
 
+// The flight record as JSON, and its file in $PYNCCL_FLIGHT_RECORDER_DIR (default: $TMPDIR or
+// /tmp); the file's path, or "(flight record not written: why)". watchdog.cpp.
+std::string flight_record_json(const std::string& name, int rank, int world_size, int device,
+                               const std::string& reason, uint64_t seq, const std::vector<FlightEntry>& entries);
+std::string write_flight_record_file(const std::string& name, int rank, const std::string& json);
+
 // An op whose completion the watchdog waits for.
 struct TrackedOp {
   uint64_t seq;

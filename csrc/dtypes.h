@@ -13,6 +13,11 @@
 
 namespace pynccl {
 
+template <>
+struct Text<c10::ScalarType> {
+  static std::string of(c10::ScalarType dtype) { return c10::toString(dtype); }
+};
+
 // NOTE: the values are pynccl.ReduceOp's (pynccl/reduce_op.py); keep them in sync.
 enum class ReduceOp : int { kSum = 0, kProduct = 1, kMax = 2, kMin = 3, kAvg = 4, kPremulSum = 5 };
 constexpr int kNumReduceOps = 6;

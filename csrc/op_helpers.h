@@ -15,6 +15,28 @@
 
 namespace pynccl {
 
+template <>
+struct Text<c10::IntArrayRef> {
+  static std::string of(c10::IntArrayRef values) {
+    std::string out = "[";
+    for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+    return out + "]";
+  }
+};
+
+template <>
+struct Text<c10::Layout> {
+  static std::string of(c10::Layout layout) {
+    switch (layout) {
+      case c10::kStrided: return "Strided";
+      case c10::kSparse: return "Sparse";
+      case c10::kSparseCsr: return "SparseCsr";
+      case c10::kMkldnn: return "Mkldnn";
+      default: return "non-strided layout " + std::to_string(static_cast<int>(layout));
+    }
+  }
+};
+
 // A validated tensor argument, in NCCL's units.
 struct TensorArg {
   void* ptr;

@@ -5,13 +5,13 @@
 // Python and never drops a tensor: finished WorkStates go to a graveyard the Python thread
 // empties, since releasing a tensor may need the GIL.
 #include <c10/util/Exception.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
+#include <cstring>
 
 #include "check.h"
 #include "communicator.h"
@@ -179,35 +179,54 @@ void Communicator::set_flight_recorder_size(size_t size) {
   for (const auto& entry : entries) ring_[entry.seq % size] = entry;  // the newest win
 }
 
+std::string flight_record_json(const std::string& name, int rank, int world_size, int device,
+                               const std::string& reason, uint64_t seq, const std::vector<FlightEntry>& entries) {
+  std::string json = "{\"group\": " + json_string(name) + ", \"rank\": " + std::to_string(rank) +
+                     ", \"world_size\": " + std::to_string(world_size) + ", \"device\": " + std::to_string(device) +
+                     ", \"reason\": " + json_string(reason) +
+                     ", \"nccl_version\": " + json_string(nccl_version_string(nccl_runtime_version())) +
+                     ", \"seq\": " + std::to_string(seq) + ", \"entries\": [";
+  bool first = true;
+  for (const auto& e : entries) {
+    json += std::string(first ? "" : ", ") + "{\"seq\": " + std::to_string(e.seq) + ", \"op\": " + json_string(e.op) +
+            ", \"dtype\": " + json_string(c10::toString(e.dtype)) + ", \"count\": " + std::to_string(e.count) +
+            ", \"peer\": " + std::to_string(e.peer) + ", \"async_op\": " + (e.async_op ? "true" : "false") +
+            ", \"enqueue_time_us\": " + std::to_string(e.enqueue_us) +
+            ", \"state\": " + json_string(op_state_name(e.state)) + "}";
+    first = false;
+  }
+  return json + "]}\n";
+}
+
+std::string write_flight_record_file(const std::string& name, int rank, const std::string& json) {
+  // NOTE: plain stdio and POSIX calls, no iostreams or std::filesystem (see Text in check.h).
+  const char* dir_env = std::getenv("PYNCCL_FLIGHT_RECORDER_DIR");
+  const char* tmp_env = std::getenv("TMPDIR");
+  const std::string dir = (dir_env != nullptr && dir_env[0] != '\0')   ? dir_env
+                          : (tmp_env != nullptr && tmp_env[0] != '\0') ? tmp_env
+                                                                       : "/tmp";
+  for (size_t pos = 1; pos <= dir.size(); ++pos) {  // mkdir -p
+    if (pos == dir.size() || dir[pos] == '/') (void)::mkdir(dir.substr(0, pos).c_str(), 0755);
+  }
+  const std::string path = dir + "/pynccl_flight_" + file_safe(name) + "_rank" + std::to_string(rank) + "_pid" +
+                           std::to_string(getpid()) + ".json";
+  // Written to a temporary name, then renamed: a reader never sees half a file.
+  const std::string tmp_path = path + ".tmp";
+  FILE* file = std::fopen(tmp_path.c_str(), "w");
+  if (file == nullptr) return "(flight record not written: " + tmp_path + ": " + std::strerror(errno) + ")";
+  const bool written = std::fwrite(json.data(), 1, json.size(), file) == json.size();
+  const bool closed = std::fclose(file) == 0;
+  if (!written || !closed || std::rename(tmp_path.c_str(), path.c_str()) != 0) {
+    return "(flight record not written: " + path + ": " + std::strerror(errno) + ")";
+  }
+  return path;
+}
+
 std::string Communicator::dump_flight_record(const std::string& reason) {
   try {
-    const char* dir_env = std::getenv("PYNCCL_FLIGHT_RECORDER_DIR");
-    const std::filesystem::path dir = (dir_env != nullptr && dir_env[0] != '\0')
-                                          ? std::filesystem::path(dir_env)
-                                          : std::filesystem::temp_directory_path();
-    std::filesystem::create_directories(dir);
-    const std::filesystem::path path = dir / ("pynccl_flight_" + file_safe(options_.name) + "_rank" +
-                                              std::to_string(rank_) + "_pid" + std::to_string(getpid()) + ".json");
-    std::ostringstream json;
-    json << "{\"group\": " << json_string(options_.name) << ", \"rank\": " << rank_
-         << ", \"world_size\": " << world_size_ << ", \"device\": " << device_
-         << ", \"reason\": " << json_string(reason)
-         << ", \"nccl_version\": " << json_string(nccl_version_string(nccl_runtime_version()))
-         << ", \"seq\": " << seq() << ", \"entries\": [";
-    bool first = true;
-    for (const auto& e : flight_record()) {
-      json << (first ? "" : ", ") << "{\"seq\": " << e.seq << ", \"op\": " << json_string(e.op)
-           << ", \"dtype\": " << json_string(c10::toString(e.dtype)) << ", \"count\": " << e.count
-           << ", \"peer\": " << e.peer << ", \"async_op\": " << (e.async_op ? "true" : "false")
-           << ", \"enqueue_time_us\": " << e.enqueue_us << ", \"state\": " << json_string(op_state_name(e.state)) << "}";
-      first = false;
-    }
-    json << "]}\n";
-    std::ofstream out(path);
-    out << json.str();
-    out.close();
-    if (!out) return "(flight record not written: cannot write " + path.string() + ")";
-    return path.string();
+    return write_flight_record_file(
+        options_.name, rank_,
+        flight_record_json(options_.name, rank_, world_size_, device_, reason, seq(), flight_record()));
   } catch (const std::exception& e) {
     return std::string("(flight record not written: ") + e.what() + ")";
   }

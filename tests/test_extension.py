@@ -109,3 +109,18 @@ def test_cpp_errors_reach_python_as_the_right_class(kind, exc, release_gil):
         _c()._raise_for_test(kind, release_gil)
     if kind == "error":
         assert not isinstance(info.value, CommTimeoutError)
+
+
+def test_flight_record_file_is_json(tmp_path, monkeypatch):
+    import json
+    monkeypatch.setenv("PYNCCL_FLIGHT_RECORDER_DIR", str(tmp_path / "a" / "b"))
+    path = _c()._write_flight_record_for_test('dp "group"/1', 3, "watchdog: all_reduce (seq 7)\ttimed out")
+    assert path.startswith(str(tmp_path / "a" / "b")) and path.endswith(".json"), path
+    record = json.load(open(path))
+    assert record["group"] == 'dp "group"/1' and record["rank"] == 3 and record["world_size"] == 2
+    assert record["reason"] == "watchdog: all_reduce (seq 7)\ttimed out"
+    assert [e["state"] for e in record["entries"]] == ["completed", "timed_out"]
+    assert record["entries"][1] == {"seq": 1, "op": "broadcast", "dtype": "BFloat16", "count": 1 << 20, "peer": 0,
+                                    "async_op": True, "enqueue_time_us": 1700000000000100, "state": "timed_out"}
+    monkeypatch.setenv("PYNCCL_FLIGHT_RECORDER_DIR", "/proc/no/such/dir")
+    assert _c()._write_flight_record_for_test("g", 0, "r").startswith("(flight record not written: ")

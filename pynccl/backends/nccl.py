@@ -14,10 +14,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from pynccl import _ext
-from pynccl.backends.base import Backend, Work
-
-if _ext.available():
-    Work.register(_ext._C.Work)  # C++ Work handles are base.Work for isinstance checks
+from pynccl.backends.base import Backend
 
 
 @dataclasses.dataclass(frozen=True)
