@@ -124,3 +124,15 @@ def test_flight_record_file_is_json(tmp_path, monkeypatch):
                                     "async_op": True, "enqueue_time_us": 1700000000000100, "state": "timed_out"}
     monkeypatch.setenv("PYNCCL_FLIGHT_RECORDER_DIR", "/proc/no/such/dir")
     assert _c()._write_flight_record_for_test("g", 0, "r").startswith("(flight record not written: ")
+
+
+def test_nccl_backend_signatures_match_the_interface():
+    import inspect
+
+    from pynccl.backends.base import Backend
+    from pynccl.backends.nccl import NcclBackend
+
+    for name, member in inspect.getmembers(Backend, inspect.isfunction):
+        if getattr(member, "__isabstractmethod__", False):
+            ours = inspect.signature(getattr(NcclBackend, name))
+            assert list(ours.parameters) == list(inspect.signature(member).parameters), name

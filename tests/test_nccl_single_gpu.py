@@ -515,8 +515,8 @@ def test_nccl_backend_binds_cpp_methods():
     backend.pack([t], flat, 2.0)
     torch.cuda.synchronize()
     assert torch.equal(flat, torch.ones(5, device="cuda"))
-    sub = backend.split([0], 30.0)
-    assert isinstance(sub, NcclBackend) and sub.world_size == 1
+    sub = backend.split([0], 30.0, "tp")
+    assert isinstance(sub, NcclBackend) and sub.world_size == 1 and sub.comm.name == "tp"
     sub.destroy()
     backend.barrier()
     backend.destroy()

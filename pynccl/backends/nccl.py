@@ -171,15 +171,16 @@ class NcclBackend(Backend):
         _ext._C.unpack(flat, tensors, scale)
 
     # --- life cycle ------------------------------------------------------------------------
-    def split(self, ranks: List[int], timeout) -> Optional["NcclBackend"]:
+    def split(self, ranks: List[int], timeout, name: str = "") -> Optional["NcclBackend"]:
         """Collective over this communicator (ncclCommSplit): every rank calls it with the same
-        `ranks`; the ranks not in it get None."""
+        `ranks`; the ranks not in it get None. `name` names the new communicator (default:
+        "<parent>.split0")."""
         ranks = sorted(int(r) for r in ranks)
         for r in ranks:
             if not 0 <= r < self.world_size:
                 raise ValueError(f"split: rank {r} is out of range for a group of world_size {self.world_size}")
         color, key = (0, ranks.index(self.rank)) if self.rank in ranks else (-1, 0)
-        child = self.comm.split(color, key, _seconds(timeout))
+        child = self.comm.split(color, key, _seconds(timeout), name)
         return None if child is None else NcclBackend(child)
 
     def destroy(self):
