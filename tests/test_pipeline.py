@@ -340,6 +340,8 @@ def _check_errors(rank, p):
         PipelineStage(lambda x: x, rank, p)
     with pytest.raises(ValueError, match="stage_index < num_stages"):
         PipelineStage(mod, 5, p)
+    with pytest.raises(ValueError, match="the stage computes on meta but the module has parameters on cpu"):
+        PipelineStage(mod, rank, p, device="meta")
     stage = PipelineStage(mod, rank, p)
     with pytest.raises(ValueError, match="n_microbatches must be a positive int"):
         Schedule1F1B(stage, 0, mse)

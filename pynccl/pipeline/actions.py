@@ -180,8 +180,8 @@ def lower(order: List[Action], layout: PipelineLayout, sync_after: Optional[List
     each steady-state (F, B) pair, giving Megatron's one four-way batch per pair, which keeps
     neighbours in lock-step around the ring of ranks. Hand-offs between stages on one rank need
     no message. The first SEND_F/RECV_F of each stage in a step is preceded by a batch with its
-    SEND_META/RECV_META (NOTE: inserting a matched pair right before the batches holding the
-    matched data messages cannot create a deadlock).
+    SEND_META/RECV_META alone (NOTE: inserting a matched pair right before the batches holding
+    the matched data messages cannot create a deadlock).
     """
     if sync_after is None:
         sync_after = [True] * len(order)
@@ -214,8 +214,9 @@ def lower(order: List[Action], layout: PipelineLayout, sync_after: Optional[List
             elif a.type is ActionType.RECV_F and a.stage not in meta_received:
                 meta_received.add(a.stage)
                 meta.append(Action(ActionType.RECV_META, a.stage, a.microbatch))
-        if meta:
-            program.append(tuple(meta))
+        # NOTE: one meta action per batch: a receiver reads the header on the host and may then
+        # post a second recv (the shapes), which must depend on nothing but its one sender.
+        program.extend((a,) for a in meta)
         if batch:
             program.append(tuple(batch))
 

@@ -68,7 +68,8 @@ class _PipelineSchedule:
         self._transport = PipeTransport(group, stages[0].device)
         order = compute_order(self.kind, pp_rank, pp_size, n_microbatches, v)
         # Single source of truth: the program the checker simulates.
-        self.program: List[Instruction] = lower(order, layout, sync_points(self.kind, pp_rank, pp_size, n_microbatches, v))
+        sync = sync_points(self.kind, pp_rank, pp_size, n_microbatches, v)
+        self.program: List[Instruction] = lower(order, layout, sync)
         self._last_backward = {}
         for a in order:
             if a.type is A.BACKWARD:

@@ -84,6 +84,10 @@ class PipelineStage:
         self.group = pp_group
         self.pp_size = pp_size
         self.device = torch.device(device) if device is not None else pp_group.backend.device
+        wrong = {str(p.device) for p in submodule.parameters() if p.device.type != self.device.type}
+        if wrong:
+            raise ValueError(f"PipelineStage: the stage computes on {self.device} but the module has parameters "
+                             f"on {', '.join(sorted(wrong))}; move it there first (module.to(device))")
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
         # Shapes: of the inputs received (RECV_META) and of the outputs last announced (SEND_META).
