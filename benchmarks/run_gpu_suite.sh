@@ -17,13 +17,15 @@ run() { local name=$1; shift; echo "=== $name: $*"; local t0=$(date +%s)
   >"$OUTDIR/versions.txt" 2>&1
 cat "$OUTDIR/versions.txt"
 if [ "$PHASE" = tests ]; then
-  run build pip install --no-build-isolation --no-deps -e .
-  python3 -c "import pynccl; print(pynccl.nccl_version())"
+  run build python3 -m pip install -v --no-build-isolation --no-deps -e .
+  grep "pynccl:" "$OUTDIR/build.log"
+  python3 -c "import pynccl; print(pynccl.nccl_version())" || exit 1
   run gpu_tests python3 -m pytest -q -rs -m "gpu or multigpu" -p no:cacheprovider tests
   run host_overhead python3 benchmarks/host_overhead.py
   run check_cost python3 benchmarks/collective_check_cost.py --backend nccl --nproc "$NGPU" --iters 2000
 else
-  pip install --no-build-isolation --no-deps -e . >/dev/null 2>&1
+  python3 -m pip install --no-build-isolation --no-deps -e . >"$OUTDIR/build.log" 2>&1
+  python3 -c "import pynccl; print(pynccl.nccl_version())" || exit 1
   if [ "$NGPU" = 1 ]; then
     run bench_collectives benchmarks/run_single_gpu.sh "$OUTDIR/bench"
   else

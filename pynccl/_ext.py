@@ -6,12 +6,15 @@ which raises an ImportError that says how to build it and carries the original i
 """
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple, Optional, Tuple
 
 import torch  # noqa: F401  (loads libtorch and torch's libnccl.so.2 before _C needs them)
 
 try:
-    from pynccl import _C
+    # NOTE: import_module, not `from pynccl import _C`: when _C is missing the latter reports a
+    # misleading "circular import" (pynccl is still initialising here).
+    _C = importlib.import_module("pynccl._C")
     _IMPORT_ERROR: Optional[BaseException] = None
 except ImportError as e:  # not built, or built against another torch/NCCL
     _C = None
