@@ -321,7 +321,7 @@ def test_every_op_and_impl_on_three_ranks():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_op_on_nccl_world_size_1_with_and_without_graphs(tmp_path):
     for extra in ([], ["-G", "2"], ["-C", "1"]):
-        r = _cli(["all", "-b", "8", "-e", "1M", "-f", "64", "-n", "5", "--impl", "both", *extra], tmp_path,
+        r = _cli(["all", "-b", "8", "-e", "2M", "-f", "64", "-n", "5", "--impl", "both", *extra], tmp_path,
                  timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         tests = parse_log(r.stdout)
