@@ -52,7 +52,10 @@ def _count_syncs(fn):
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    if syncs:
+        print("host synchronisations:", *syncs, sep="\n  ")
+    return len(syncs)
 
 
 def _pipeline_on_gpus(rank, world_size):

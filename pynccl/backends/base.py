@@ -57,6 +57,7 @@ class Backend(abc.ABC):
     rank: int                 # group-local rank of this process
     world_size: int
     device: torch.device      # where this backend's tensors must live
+    timeout_s: float          # bound on every blocking wait of this group (settable)
 
     # --- collectives -------------------------------------------------------------
     @abc.abstractmethod

@@ -100,11 +100,11 @@ class NcclBackend(Backend):
 
     # --- timeouts and diagnostics ------------------------------------------------------
     @property
-    def timeout(self) -> float:
+    def timeout_s(self) -> float:
         return self.comm.timeout_s
 
-    @timeout.setter
-    def timeout(self, seconds: Union[float, datetime.timedelta]):
+    @timeout_s.setter
+    def timeout_s(self, seconds: Union[float, datetime.timedelta]):
         self.comm.timeout_s = _seconds(seconds)
 
     def flight_record(self) -> List[dict]:
