@@ -82,8 +82,12 @@ def bootstrap(init_method, rank: int, world_size: int, timeout_s: float, store) 
         store = _connect_store(host, port, world_size, rank, is_master, timeout_s)
 
     _check_unique_rank(store, rank, world_size, timeout_s)
-    tdist.init_process_group("gloo", store=tdist.PrefixStore("torch", store), rank=rank,
-                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        tdist.init_process_group("gloo", store=tdist.PrefixStore("torch", store), rank=rank,
+                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise CommTimeoutError(f"init_process_group: rank {rank}: the CPU side-channel group of {world_size} "
+                               f"ranks did not form within {timeout_s:.0f}s: {e}") from e
     return rank, world_size, store, True
 
 
@@ -123,6 +127,10 @@ def _check_unique_rank(store, rank: int, world_size: int, timeout_s: float):
     """Every rank announces itself; a duplicated rank or a wrong world size fails here,
     and a rank that never arrives is named, all within the timeout."""
     gen = _generation + 1
+    agreed = store.compare_set(f"pynccl/rdzv{gen}/world_size", "", str(world_size)).decode()
+    if agreed != str(world_size):
+        raise ValueError(f"init_process_group: rank {rank} was started with world_size={world_size}, but another "
+                         f"process of this job with world_size={agreed}; check WORLD_SIZE on every rank")
     key = f"pynccl/rdzv{gen}/rank{rank}"
     if store.add(key, 1) != 1:
         raise ValueError(f"init_process_group: two processes claim rank {rank} (world_size={world_size})")
