@@ -1,0 +1,272 @@
+"""The collectives: torch.distributed's signatures, global ranks for src/dst.
+
+Each function checks what is the same for both backends (sizes, dtypes, rank ranges),
+translates ranks to group ranks and calls the group's Backend. all_reduce is the hot path: it
+does no Python-side checking at all, the backend checks (in C++ for nccl), so a call costs one
+Python frame plus the binding.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import List, Optional
+
+import torch
+
+from .backends.base import P2POp, Work
+from .groups import _group, _state
+from .reduce_op import ReduceOp
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_tensor(fn: str, name: str, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_list(fn: str, name: str, lst, n: int):
+    if not isinstance(lst, (list, tuple)):
+        raise TypeError(f"{fn}: {name} must be a list of tensors, got {type(lst).__name__}")
+    if len(lst) != n:
+        raise ValueError(f"{fn}: {name} has {len(lst)} tensors, expected world_size({n})")
+    for i, t in enumerate(lst):
+        _check_tensor(fn, f"{name}[{i}]", t)
+
+
+def _check_same(fn: str, ref_name: str, ref: torch.Tensor, name: str, t: torch.Tensor, numel: Optional[int] = None):
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{fn}: {name} has dtype {t.dtype}, expected {ref_name}'s dtype {ref.dtype}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{fn}: {name} has {t.numel()} elements, expected {numel}")
+
+
+def _check_size_multiple(fn: str, big_name: str, big: torch.Tensor, small_name: str, small: torch.Tensor, n: int):
+    if big.numel() != n * small.numel():
+        raise ValueError(f"{fn}: {big_name} has {big.numel()} elements, expected "
+                         f"world_size({n}) × {small_name}({small.numel()}) = {n * small.numel()}")
+
+
+# ----------------------------------------------------------------------------- collectives
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    # NOTE: hot path. No Python-side checks: the backend validates (C++ for nccl).
+    if group is None:
+        return _state.world.backend.all_reduce(tensor, op, async_op)
+    return _group(group).backend.all_reduce(tensor, op, async_op)
+
+
+def broadcast(tensor, src, group=None, async_op=False):
+    g = _group(group)
+    _check_tensor("broadcast", "tensor", tensor)
+    return g.backend.broadcast(tensor, g.group_rank(src, "src"), async_op)
+
+
+def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
+    g = _group(group)
+    _check_tensor("reduce", "tensor", tensor)
+    return g.backend.reduce(tensor, g.group_rank(dst, "dst"), op, async_op)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    g = _group(group)
+    n = g.backend.world_size
+    _check_tensor("all_gather", "tensor", tensor)
+    _check_list("all_gather", "tensor_list", tensor_list, n)
+    for i, t in enumerate(tensor_list):
+        _check_same("all_gather", "tensor", tensor, f"tensor_list[{i}]", t, tensor.numel())
+    return g.backend.all_gather(list(tensor_list), tensor, async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    g = _group(group)
+    n = g.backend.world_size
+    fn = "all_gather_into_tensor"
+    _check_tensor(fn, "output", output_tensor)
+    _check_tensor(fn, "input", input_tensor)
+    _check_same(fn, "input", input_tensor, "output", output_tensor)
+    _check_size_multiple(fn, "output", output_tensor, "input", input_tensor, n)
+    return g.backend.all_gather_into_tensor(output_tensor, input_tensor, async_op)
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+    g = _group(group)
+    n = g.backend.world_size
+    _check_tensor("reduce_scatter", "output", output)
+    _check_list("reduce_scatter", "input_list", input_list, n)
+    for i, t in enumerate(input_list):
+        _check_same("reduce_scatter", "output", output, f"input_list[{i}]", t, output.numel())
+    return g.backend.reduce_scatter(output, list(input_list), op, async_op)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    g = _group(group)
+    n = g.backend.world_size
+    fn = "reduce_scatter_tensor"
+    _check_tensor(fn, "output", output)
+    _check_tensor(fn, "input", input)
+    _check_same(fn, "output", output, "input", input)
+    _check_size_multiple(fn, "input", input, "output", output, n)
+    return g.backend.reduce_scatter_tensor(output, input, op, async_op)
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    g = _group(group)
+    n = g.backend.world_size
+    _check_list("all_to_all", "output_tensor_list", output_tensor_list, n)
+    _check_list("all_to_all", "input_tensor_list", input_tensor_list, n)
+    ref = input_tensor_list[0]
+    for t in list(input_tensor_list) + list(output_tensor_list):
+        _check_same("all_to_all", "input_tensor_list[0]", ref, "every tensor", t)
+    return g.backend.all_to_all(list(output_tensor_list), list(input_tensor_list), async_op)
+
+
+def _check_splits(fn: str, name: str, splits, t: torch.Tensor, n: int):
+    if splits is None or len(splits) == 0:
+        if t.dim() == 0 or t.shape[0] % n:
+            raise ValueError(f"{fn}: {name} dim 0 ({tuple(t.shape)}) must divide evenly by "
+                             f"world_size({n}) when no split sizes are given")
+        return None
+    splits = [int(s) for s in splits]
+    if len(splits) != n:
+        raise ValueError(f"{fn}: {name}_split_sizes has {len(splits)} entries, expected world_size({n})")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"{fn}: {name}_split_sizes must be non-negative, got {splits}")
+    if t.dim() == 0 or sum(splits) != t.shape[0]:
+        raise ValueError(f"{fn}: {name}_split_sizes sum to {sum(splits)}, expected {name}.shape[0] "
+                         f"({t.shape[0] if t.dim() else 'scalar'})")
+    return splits
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    g = _group(group)
+    n = g.backend.world_size
+    fn = "all_to_all_single"
+    _check_tensor(fn, "output", output)
+    _check_tensor(fn, "input", input)
+    _check_same(fn, "input", input, "output", output)
+    out_splits = _check_splits(fn, "output", output_split_sizes, output, n)
+    in_splits = _check_splits(fn, "input", input_split_sizes, input, n)
+    if out_splits is None and in_splits is None and output.numel() != input.numel():
+        raise ValueError(f"{fn}: output has {output.numel()} elements, expected input's {input.numel()} "
+                         f"when no split sizes are given")
+    if output.dim() and input.dim() and output[0:0].shape[1:] != input[0:0].shape[1:]:
+        raise ValueError(f"{fn}: output rows have shape {tuple(output.shape[1:])}, input rows "
+                         f"{tuple(input.shape[1:])}; they must match")
+    return g.backend.all_to_all_single(output, input, out_splits, in_splits, async_op)
+
+
+def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
+    g = _group(group)
+    n = g.backend.world_size
+    root = g.group_rank(dst, "dst")
+    _check_tensor("gather", "tensor", tensor)
+    if g.rank == root:
+        _check_list("gather", "gather_list (on the dst rank)", gather_list, n)
+        for i, t in enumerate(gather_list):
+            _check_same("gather", "tensor", tensor, f"gather_list[{i}]", t, tensor.numel())
+    elif gather_list:
+        raise ValueError(f"gather: gather_list must be None or empty on non-dst rank {g.rank}")
+    return g.backend.gather(tensor, list(gather_list) if g.rank == root else None, root, async_op)
+
+
+def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
+    g = _group(group)
+    n = g.backend.world_size
+    root = g.group_rank(src, "src")
+    _check_tensor("scatter", "tensor", tensor)
+    if g.rank == root:
+        _check_list("scatter", "scatter_list (on the src rank)", scatter_list, n)
+        for i, t in enumerate(scatter_list):
+            _check_same("scatter", "tensor", tensor, f"scatter_list[{i}]", t, tensor.numel())
+    elif scatter_list:
+        raise ValueError(f"scatter: scatter_list must be None or empty on non-src rank {g.rank}")
+    return g.backend.scatter(tensor, list(scatter_list) if g.rank == root else None, root, async_op)
+
+
+def send(tensor, dst, group=None, tag=0):
+    g = _group(group)
+    _check_tensor("send", "tensor", tensor)
+    g.backend.send(tensor, g.group_rank(dst, "dst"), False)
+
+
+def recv(tensor, src, group=None, tag=0):
+    g = _group(group)
+    _check_tensor("recv", "tensor", tensor)
+    g.backend.recv(tensor, g.group_rank(src, "src"), False)
+    return src
+
+
+def isend(tensor, dst, group=None, tag=0) -> Work:
+    g = _group(group)
+    _check_tensor("isend", "tensor", tensor)
+    return g.backend.send(tensor, g.group_rank(dst, "dst"), True)
+
+
+def irecv(tensor, src, group=None, tag=0) -> Work:
+    g = _group(group)
+    _check_tensor("irecv", "tensor", tensor)
+    return g.backend.recv(tensor, g.group_rank(src, "src"), True)
+
+
+def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
+    """All sends and receives in one NCCL group; returns a one-element list of Work
+    (torch returns one Work per op; waiting on any of ours waits for the whole batch)."""
+    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+        raise ValueError("batch_isend_irecv: expected a non-empty list of pynccl.P2POp")
+    g = None
+    ops = []
+    for i, p in enumerate(p2p_op_list):
+        if not isinstance(p, P2POp):
+            raise TypeError(f"batch_isend_irecv: element {i} is {type(p).__name__}, expected pynccl.P2POp")
+        pg = _group(p.group)
+        if g is None:
+            g = pg
+        elif pg is not g:
+            raise ValueError("batch_isend_irecv: all ops must use the same group")
+        _check_tensor("batch_isend_irecv", f"ops[{i}].tensor", p.tensor)
+        ops.append((p.is_send, p.tensor, g.group_rank(p.peer, f"ops[{i}].peer")))
+    return [g.backend.batch_isend_irecv(ops)]
+
+
+def barrier(group=None, async_op=False, device_ids=None):
+    """Blocks the host until every rank of the group arrives (bounded by the group's timeout)."""
+    _group(group).backend.barrier()
+
+
+# ----------------------------------------------------------------------------- objects
+def _object_to_tensor(obj, device) -> torch.Tensor:
+    data = pickle.dumps(obj)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def all_gather_object(object_list: list, obj, group=None) -> None:
+    """Pickle-based all-gather of Python objects (for metadata, not for hot paths)."""
+    g = _group(group)
+    n = g.world_size
+    if not isinstance(object_list, list) or len(object_list) != n:
+        raise ValueError(f"all_gather_object: object_list must be a list of world_size({n}) entries")
+    dev = g.backend.device
+    payload = _object_to_tensor(obj, dev)
+    sizes = torch.zeros(n, dtype=torch.int64, device=dev)
+    all_gather_into_tensor(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=dev), group=g)
+    max_size = int(sizes.max().item())
+    padded = torch.zeros(max_size, dtype=torch.uint8, device=dev)
+    padded[: payload.numel()] = payload
+    out = torch.empty(n * max_size, dtype=torch.uint8, device=dev)
+    all_gather_into_tensor(out, padded, group=g)
+    out = out.cpu()
+    for i in range(n):
+        object_list[i] = pickle.loads(out[i * max_size: i * max_size + int(sizes[i])].numpy().tobytes())
+
+
+def broadcast_object_list(object_list: list, src: int = 0, group=None) -> None:
+    """Replace `object_list`'s entries on every rank with those of global rank `src`."""
+    g = _group(group)
+    dev = g.backend.device
+    root = g.group_rank(src, "src")
+    payload = _object_to_tensor(list(object_list), dev) if g.rank == root else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=dev)
+    broadcast(size, src, group=g)
+    if payload is None:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    broadcast(payload, src, group=g)
+    objs = pickle.loads(payload.cpu().numpy().tobytes())
+    object_list[:] = objs
