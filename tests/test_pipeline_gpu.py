@@ -58,6 +58,19 @@ def _count_syncs(fn):
     return len(syncs)
 
 
+def _first_sync_site(sched, x, y):
+    """Run one more step with synchronising calls turned into errors: where the first one is."""
+    import traceback
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sched.step(x, target=y)
+    except RuntimeError:
+        return traceback.format_exc()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return "(none on the second try)"
+
+
 def _pipeline_on_gpus(rank, world_size):
     p = world_size
     device = pynccl.get_device()
@@ -78,7 +91,8 @@ def _pipeline_on_gpus(rank, world_size):
             losses = []
             syncs = _count_syncs(lambda: sched.step(x, target=y, losses=losses))
             # One read of the "shapes unchanged" header per step on a receiving rank, none else.
-            assert syncs == (0 if rank == 0 else 1), f"{what}: {syncs} host synchronisations in a step"
+            assert syncs == (0 if rank == 0 else 1), \
+                f"{what}: {syncs} host synchronisations in a step; first one at:\n{_first_sync_site(sched, x, y)}"
             _assert_grads([(mod, split_into_stages(full, p)[rank])], ref, what)
             if rank == p - 1:
                 assert abs(torch.stack(losses).mean().item() - ref_loss.item()) <= TOL, what
