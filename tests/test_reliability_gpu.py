@@ -1,0 +1,72 @@
+"""Fault tests on NCCL across GPUs (skipped with fewer than 2): a killed rank and a skipped
+collective surface as exceptions on the survivors within the timeout, never as a hang; the
+processes can still exit cleanly afterwards. (The single-GPU watchdog and abort tests are in
+test_nccl_single_gpu.py; the same scenarios on gloo run in CI in test_reliability.py.)"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import pynccl
+from pynccl.testing import run_multiprocess
+
+TIMEOUT_S = 5.0
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def _killed_rank(rank, ws):
+    t = torch.ones(1 << 16, device=pynccl.get_device())
+    start = None
+    try:
+        for step in range(1000):
+            if step == 3:
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                start = time.monotonic()
+            pynccl.all_reduce(t)
+            pynccl.barrier()          # a bounded host wait: the watchdog's timeout applies
+    except pynccl.PyncclError as e:   # CommTimeoutError is one too
+        elapsed = time.monotonic() - start
+        pynccl.abort_process_group()  # local, never blocks
+        return elapsed, str(e)
+    raise AssertionError("training went on after rank 1 was killed")
+
+
+def _skipped_collective(rank, ws):
+    t = torch.ones(4, device=pynccl.get_device())
+    pynccl.all_reduce(t)
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(TIMEOUT_S + 5)     # alive, but never joins the second collective
+        pynccl.abort_process_group()
+        return None
+    start = time.monotonic()
+    with pytest.raises(pynccl.CommTimeoutError) as info:
+        pynccl.all_reduce(t)
+        pynccl.barrier()
+    pynccl.abort_process_group()
+    return time.monotonic() - start, str(info.value)
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_killed_rank_surfaces_on_nccl():
+    n = min(torch.cuda.device_count(), 4)
+    out = run_multiprocess(_killed_rank, n, backend="nccl", start_method="spawn", timeout=120,
+                           init_kwargs={"timeout": TIMEOUT_S}, expect_failure_ranks=[1])
+    for r in range(n):
+        if r != 1:
+            elapsed, msg = out[r]
+            assert elapsed < TIMEOUT_S + 10, (r, elapsed, msg)
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_skipped_collective_times_out_on_nccl():
+    out = run_multiprocess(_skipped_collective, 2, backend="nccl", start_method="spawn", timeout=120,
+                           init_kwargs={"timeout": TIMEOUT_S})
+    elapsed, msg = out[0]
+    assert elapsed < TIMEOUT_S + 10, (elapsed, msg)
+    assert "group 'world'" in msg and "seq" in msg, msg
