@@ -3,6 +3,8 @@ torch.distributed (NCCL) in the same process and on the same GPU.
 
 At world size 1 an in-place SUM makes NCCL enqueue no GPU work, so the time per call is the
 host path alone: Python, the binding, the checks, the flight recorder, the watchdog's event.
+Also: out-of-place all_reduce (pynccl's output= against torch's copy_ + in-place) and
+batch_isend_irecv (send + recv to self, then wait), each against its torch counterpart.
 Each variant runs N back-to-back calls per repetition (the GPU is synchronised outside the
 timed loop); the table shows the median and the best repetition, variants interleaved.
 
@@ -11,6 +13,7 @@ timed loop); the table shows the median and the best repetition, variants interl
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -87,6 +90,36 @@ def main(argv=None):
     variants["  same, ReduceOp.premul_sum(0.5) (one GPU kernel)"] = (backend.all_reduce,
                                                                       (tensor, ReduceOp.premul_sum(0.5), False))
 
+    # Out-of-place and point-to-point rows; each is compared with the torch row it names.
+    # NOTE: torch has no out-of-place all_reduce: its row is copy_ + in-place, as in the bench.
+    out = torch.empty_like(tensor)
+    baseline_of = {}
+
+    def torch_out_of_place(src, dst):
+        dst.copy_(src)
+        dist.all_reduce(dst)
+    T_OOP = "torch copy_ + all_reduce (out-of-place)"
+    variants[T_OOP] = (torch_out_of_place, (tensor, out))
+    variants["NcclBackend.all_reduce(output=) (one NCCL call)"] = (
+        functools.partial(backend.all_reduce, output=out), (tensor, ReduceOp.SUM, False))
+    baseline_of["NcclBackend.all_reduce(output=) (one NCCL call)"] = T_OOP
+    recv = torch.empty_like(tensor)
+
+    def p2p_round(api, ops):  # one batch_isend_irecv (send+recv to self, 4 B) and its waits
+        for work in api.batch_isend_irecv(ops):
+            work.wait()
+    T_P2P = "torch batch_isend_irecv (send+recv to self)"
+    variants[T_P2P] = (p2p_round, (dist, [dist.P2POp(dist.isend, tensor, 0), dist.P2POp(dist.irecv, recv, 0)]))
+    if "pynccl.all_reduce" in variants:
+        variants["pynccl.batch_isend_irecv (send+recv to self)"] = (
+            p2p_round, (pynccl, [pynccl.P2POp(pynccl.isend, tensor, 0), pynccl.P2POp(pynccl.irecv, recv, 0)]))
+        baseline_of["pynccl.batch_isend_irecv (send+recv to self)"] = T_P2P
+
+    def backend_p2p(ops):
+        backend.batch_isend_irecv(ops).wait()
+    variants["NcclBackend.batch_isend_irecv (tuples, bound C++)"] = (backend_p2p, ([(True, tensor, 0), (False, recv, 0)],))
+    baseline_of["NcclBackend.batch_isend_irecv (tuples, bound C++)"] = T_P2P
+
     for call, call_args in variants.values():
         for _ in range(args.warmup):
             call(*call_args)
@@ -95,22 +128,24 @@ def main(argv=None):
         for name, (call, call_args) in variants.items():
             samples[name].append(_time_per_call_us(call, call_args, args.iters))
 
-    base = statistics.median(samples["torch.distributed.all_reduce (nccl)"])
     rows = []
     for name, values in samples.items():
         median = statistics.median(values)
-        rows.append({"impl": name, "median_us": median, "min_us": min(values), "ratio_vs_torch": median / base})
+        base = statistics.median(samples[baseline_of.get(name, "torch.distributed.all_reduce (nccl)")])
+        rows.append({"impl": name, "median_us": median, "min_us": min(values), "ratio_vs_torch": median / base,
+                     "torch_baseline": baseline_of.get(name, "torch.distributed.all_reduce (nccl)")})
     versions = {
         "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": str(pynccl.nccl_version()),
         "torch_nccl": ".".join(map(str, torch.cuda.nccl.version())), "driver": _driver(),
         "gpu": torch.cuda.get_device_name(0), "python": platform.python_version(),
         "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
-    print(f"host time per all_reduce call, 1 x float32, world size 1: median of {args.reps} x {args.iters} calls")
+    print(f"host time per call, 1 x float32, world size 1: median of {args.reps} x {args.iters} calls "
+          "(out-of-place rows vs torch copy_+op, batch_isend_irecv rows vs torch's)")
     print(" ".join(f"{k}={v}" for k, v in versions.items()))
-    print(f"{'impl':<52} {'median us':>10} {'min us':>8} {'vs torch':>9}")
+    print(f"{'impl':<56} {'median us':>10} {'min us':>8} {'vs torch':>9}")
     for r in rows:
-        print(f"{r['impl']:<52} {r['median_us']:>10.2f} {r['min_us']:>8.2f} {r['ratio_vs_torch']:>8.3f}x")
+        print(f"{r['impl']:<56} {r['median_us']:>10.2f} {r['min_us']:>8.2f} {r['ratio_vs_torch']:>8.3f}x")
     for note in notes:
         print(note)
     if args.json:

@@ -68,6 +68,15 @@ py::dict entry_to_dict(const FlightEntry& e) {
   return d;
 }
 
+// The `output=` keyword of the out-of-place ops: None (in-place) or a torch.Tensor.
+// NOTE: taken as a py::handle so the in-place hot path pays one is_none() test, no tensor caster.
+at::Tensor output_tensor(const char* fn, py::handle output) {
+  if (!THPVariable_Check(output.ptr())) {
+    PYNCCL_CHECK_TYPE(false, fn, ": output must be a torch.Tensor or None, got ", Py_TYPE(output.ptr())->tp_name);
+  }
+  return THPVariable_Unpack(output.ptr());
+}
+
 std::vector<at::Tensor> or_empty(const std::optional<std::vector<at::Tensor>>& list) {
   return list ? *list : std::vector<at::Tensor>{};
 }
@@ -186,20 +195,34 @@ PYBIND11_MODULE(_C, m) {
                     "Whether the watchdog also times ops with async_op=False (one event record each).")
       .def_property("flight_recorder_size", &Communicator::flight_recorder_size, &Communicator::set_flight_recorder_size)
       // --- collectives --------------------------------------------------------------------
+      // output=None (last keyword): in-place. A tensor: out-of-place, one NCCL call (Communicator docs).
       .def("all_reduce",
-           [](Communicator& c, const at::Tensor& tensor, py::handle op, bool async_op, double premul_factor) {
+           [](Communicator& c, const at::Tensor& tensor, py::handle op, bool async_op, double premul_factor,
+              py::handle output) {
              const OpArg o = parse_op(op, premul_factor);
-             return c.all_reduce(tensor, o.op, async_op, o.factor);
+             if (output.is_none()) return c.all_reduce(tensor, o.op, async_op, o.factor);
+             const at::Tensor out = output_tensor("all_reduce", output);
+             return c.all_reduce(tensor, o.op, async_op, o.factor, &out);
            },
-           py::arg("tensor"), py::arg("op") = 0, py::arg("async_op") = false, py::arg("premul_factor") = 1.0)
-      .def("broadcast", &Communicator::broadcast, py::arg("tensor"), py::arg("root"), py::arg("async_op") = false)
+           py::arg("tensor"), py::arg("op") = 0, py::arg("async_op") = false, py::arg("premul_factor") = 1.0,
+           py::arg("output") = py::none())
+      .def("broadcast",
+           [](Communicator& c, const at::Tensor& tensor, int root, bool async_op, py::handle output) {
+             if (output.is_none()) return c.broadcast(tensor, root, async_op);
+             const at::Tensor out = output_tensor("broadcast", output);
+             return c.broadcast(tensor, root, async_op, &out);
+           },
+           py::arg("tensor"), py::arg("root"), py::arg("async_op") = false, py::arg("output") = py::none())
       .def("reduce",
-           [](Communicator& c, const at::Tensor& tensor, int root, py::handle op, bool async_op, double premul_factor) {
+           [](Communicator& c, const at::Tensor& tensor, int root, py::handle op, bool async_op, double premul_factor,
+              py::handle output) {
              const OpArg o = parse_op(op, premul_factor);
-             return c.reduce(tensor, root, o.op, async_op, o.factor);
+             if (output.is_none()) return c.reduce(tensor, root, o.op, async_op, o.factor);
+             const at::Tensor out = output_tensor("reduce", output);
+             return c.reduce(tensor, root, o.op, async_op, o.factor, &out);
            },
            py::arg("tensor"), py::arg("root"), py::arg("op") = 0, py::arg("async_op") = false,
-           py::arg("premul_factor") = 1.0)
+           py::arg("premul_factor") = 1.0, py::arg("output") = py::none())
       .def("all_gather", &Communicator::all_gather, py::arg("output_list"), py::arg("input"),
            py::arg("async_op") = false)
       .def("all_gather_into_tensor", &Communicator::all_gather_into_tensor, py::arg("output"), py::arg("input"),

@@ -88,45 +88,54 @@ class ScopedRedOp {
 
 }  // namespace
 
-std::shared_ptr<Work> Communicator::all_reduce(const at::Tensor& tensor, int op, bool async_op, double premul_factor) {
-  return all_reduce_impl("all_reduce", tensor, op, async_op, premul_factor);
+std::shared_ptr<Work> Communicator::all_reduce(const at::Tensor& tensor, int op, bool async_op, double premul_factor,
+                                             const at::Tensor* output) {
+  return all_reduce_impl("all_reduce", tensor, op, async_op, premul_factor, output);
 }
 
 std::shared_ptr<Work> Communicator::all_reduce_impl(const char* fn, const at::Tensor& tensor, int op, bool async_op,
-                                                    double premul_factor) {
+                                                    double premul_factor, const at::Tensor* output) {
   const TensorArg t = check_tensor(fn, "tensor", tensor, device_);
+  void* const recv = output == nullptr ? t.ptr : check_output(fn, *output, t, device_).ptr;
   const ncclRedOp_t builtin = builtin_op(fn, op, t.dtype);
   OpScope scope(*this, fn, t.dtype, t.numel, -1, async_op);
   const ScopedRedOp red(builtin, premul_factor, t.dtype, t.type, comm_);
   // ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
   //                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
-  PYNCCL_CHECK_NCCL_COMM(*this, ncclAllReduce(t.ptr, t.ptr, t.count, t.type, red.get(), comm_, scope.stream()));
+  PYNCCL_CHECK_NCCL_COMM(*this, ncclAllReduce(t.ptr, recv, t.count, t.type, red.get(), comm_, scope.stream()));
   scope.keep_alive(tensor);
+  if (output != nullptr) scope.keep_alive(*output);
   return scope.finish();
 }
 
-std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int root, bool async_op) {
+std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int root, bool async_op,
+                                            const at::Tensor* output) {
   const TensorArg t = check_tensor("broadcast", "tensor", tensor, device_);
+  void* const recv = output == nullptr ? t.ptr : check_output("broadcast", *output, t, device_).ptr;
   check_rank("broadcast", "root", root, world_size_);
   OpScope scope(*this, "broadcast", t.dtype, t.numel, root, async_op);
   // ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
   //                            int root, ncclComm_t comm, cudaStream_t stream);
-  PYNCCL_CHECK_NCCL_COMM(*this, ncclBroadcast(t.ptr, t.ptr, t.count, t.type, root, comm_, scope.stream()));
+  PYNCCL_CHECK_NCCL_COMM(*this, ncclBroadcast(t.ptr, recv, t.count, t.type, root, comm_, scope.stream()));
   scope.keep_alive(tensor);
+  if (output != nullptr) scope.keep_alive(*output);
   return scope.finish();
 }
 
 std::shared_ptr<Work> Communicator::reduce(const at::Tensor& tensor, int root, int op, bool async_op,
-                                           double premul_factor) {
+                                           double premul_factor, const at::Tensor* output) {
   const TensorArg t = check_tensor("reduce", "tensor", tensor, device_);
+  // NOTE: checked on every rank (one contract), though NCCL writes recvbuff only on the root.
+  void* const recv = output == nullptr ? t.ptr : check_output("reduce", *output, t, device_).ptr;
   check_rank("reduce", "root", root, world_size_);
   const ncclRedOp_t builtin = builtin_op("reduce", op, t.dtype);
   OpScope scope(*this, "reduce", t.dtype, t.numel, root, async_op);
   const ScopedRedOp red(builtin, premul_factor, t.dtype, t.type, comm_);
   // ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
   //                         ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream);
-  PYNCCL_CHECK_NCCL_COMM(*this, ncclReduce(t.ptr, t.ptr, t.count, t.type, red.get(), root, comm_, scope.stream()));
+  PYNCCL_CHECK_NCCL_COMM(*this, ncclReduce(t.ptr, recv, t.count, t.type, red.get(), root, comm_, scope.stream()));
   scope.keep_alive(tensor);
+  if (output != nullptr) scope.keep_alive(*output);
   return scope.finish();
 }
 
@@ -225,7 +234,7 @@ void Communicator::barrier() {
   if (!barrier_buffer_.defined()) {
     barrier_buffer_ = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
   }
-  all_reduce_impl("barrier", barrier_buffer_, static_cast<int>(ReduceOp::kSum), /*async_op=*/false, 1.0);
+  all_reduce_impl("barrier", barrier_buffer_, static_cast<int>(ReduceOp::kSum), /*async_op=*/false, 1.0, nullptr);
   const uint64_t seq = this->seq() - 1;
   cudaEvent_t done = events_->get();
   bool completed = false;

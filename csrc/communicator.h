@@ -92,9 +92,15 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void set_flight_recorder_size(size_t size);
 
   // --- collectives (collectives.cpp); ranks are communicator-local --------------------------
-  std::shared_ptr<Work> all_reduce(const at::Tensor& tensor, int op, bool async_op, double premul_factor);
-  std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root, bool async_op);
-  std::shared_ptr<Work> reduce(const at::Tensor& tensor, int root, int op, bool async_op, double premul_factor);
+  // `output` (optional, same device/dtype/numel, contiguous) makes the op out-of-place: one NCCL
+  // call reads `tensor` and writes `output`, and `tensor` is left as it was. For reduce, only
+  // the root's output is written; for broadcast, the root's tensor is read and every output written.
+  std::shared_ptr<Work> all_reduce(const at::Tensor& tensor, int op, bool async_op, double premul_factor,
+                                   const at::Tensor* output = nullptr);
+  std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root, bool async_op,
+                                  const at::Tensor* output = nullptr);
+  std::shared_ptr<Work> reduce(const at::Tensor& tensor, int root, int op, bool async_op, double premul_factor,
+                               const at::Tensor* output = nullptr);
   std::shared_ptr<Work> all_gather(const std::vector<at::Tensor>& outputs, const at::Tensor& input, bool async_op);
   std::shared_ptr<Work> all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input, bool async_op);
   std::shared_ptr<Work> reduce_scatter(const at::Tensor& output, const std::vector<at::Tensor>& inputs, int op,
@@ -137,7 +143,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void start();  // stream, event pool, flight recorder, watchdog
   void start_or_abort();
   std::shared_ptr<Work> all_reduce_impl(const char* fn, const at::Tensor& tensor, int op, bool async_op,
-                                        double premul_factor);
+                                        double premul_factor, const at::Tensor* output);
   void check_usable(const char* fn) const {
     if (__builtin_expect(state_.load(std::memory_order_acquire) != static_cast<int>(CommState::kOk), 0))
       throw_unusable(fn);

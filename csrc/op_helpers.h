@@ -89,6 +89,21 @@ inline void check_rank(const char* fn, const char* what, int64_t rank, int world
                     " is out of range for a communicator of world_size ", world_size);
 }
 
+// The optional `output` of an out-of-place op: a contiguous tensor on the same device with the
+// dtype and element count of `in`. The same storage as `in` is in-place; any other overlap is
+// rejected, since NCCL defines only exact aliasing.
+inline TensorArg check_output(const char* fn, const at::Tensor& output, const TensorArg& in, int device) {
+  const TensorArg out = check_tensor(fn, "output", output, device);
+  check_same_dtype(fn, "output", out, "tensor", in);
+  PYNCCL_CHECK_VALUE(out.numel == in.numel, fn, ": output has ", out.numel, " elements, expected ", in.numel,
+                    " (the size of tensor)");
+  const char* a = static_cast<const char*>(in.ptr);
+  const char* b = static_cast<const char*>(out.ptr);
+  PYNCCL_CHECK_VALUE(a == b || a + in.num_bytes <= b || b + out.num_bytes <= a, fn,
+                    ": output partially overlaps tensor (pass the same tensor, or a disjoint one)");
+  return out;
+}
+
 // `list` must hold world_size tensors shaped like `ref` (same dtype and number of elements).
 inline std::vector<TensorArg> check_tensor_list(const char* fn, const char* what, const std::vector<at::Tensor>& list,
                                                 int device, int world_size, const char* ref_what,

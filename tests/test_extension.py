@@ -136,3 +136,13 @@ def test_nccl_backend_signatures_match_the_interface():
         if getattr(member, "__isabstractmethod__", False):
             ours = inspect.signature(getattr(NcclBackend, name))
             assert list(ours.parameters) == list(inspect.signature(member).parameters), name
+
+
+@pytest.mark.parametrize("method", ["all_reduce", "reduce", "broadcast"])
+def test_out_of_place_output_is_the_last_keyword(method):
+    # The in-place hot path `comm.all_reduce(t, op, async_op)` must keep its positions; output=
+    # comes last, defaulting to None (pybind's signature line in the docstring).
+    doc = getattr(_c().Communicator, method).__doc__
+    signature = doc.strip().splitlines()[0]
+    assert signature.endswith(", output: object = None) -> pynccl._C.Work"), signature
+    assert signature.startswith(f"{method}(self: pynccl._C.Communicator, tensor: torch.Tensor"), signature

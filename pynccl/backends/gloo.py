@@ -145,26 +145,53 @@ class GlooBackend(Backend):
         return _NATIVE_OPS[op_enum], pre, post
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+    def _check_output(self, fn: str, tensor: torch.Tensor, output) -> torch.Tensor:
+        """`output=` of the out-of-place ops: a tensor like `tensor` (base.Backend.all_reduce)."""
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{fn}: output must be a torch.Tensor or None, got {type(output).__name__}")
+        self._check(fn, output)
+        if output.dtype != tensor.dtype:
+            raise TypeError(f"{fn}: output has dtype {output.dtype}, expected {tensor.dtype} (the dtype of tensor)")
+        if output.numel() != tensor.numel():
+            raise ValueError(f"{fn}: output has {output.numel()} elements, expected {tensor.numel()} "
+                             f"(the size of tensor)")
+        return output
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False, output=None):
         self._check("all_reduce", tensor)
         top, pre, post = self._prepare_reduce("all_reduce", tensor, op)
+        if output is not None:
+            # NOTE: gloo has no out-of-place call: copy, then reduce the copy in place.
+            self._check_output("all_reduce", tensor, output).view(tensor.shape).copy_(tensor)
+            tensor = output
         if pre is not None:
             tensor.mul_(pre)
         finish = (lambda: tensor.div_(post)) if post else None
         return self._run("all_reduce", async_op,
                          lambda: tdist.all_reduce(tensor, op=top, group=self.pg, async_op=True), finish, tensor)
 
-    def broadcast(self, tensor, root, async_op=False):
+    def broadcast(self, tensor, root, async_op=False, output=None):
         self._check("broadcast", tensor)
         self._check_rank("broadcast", "src", root)
+        if output is not None:
+            self._check_output("broadcast", tensor, output)
+            if self.rank == root:
+                output.view(tensor.shape).copy_(tensor)
+            tensor = output
         return self._run("broadcast", async_op,
                          lambda: tdist.broadcast(tensor, group=self.pg, group_src=root, async_op=True),
                          tensor=tensor, peer=root)
 
-    def reduce(self, tensor, root, op=ReduceOp.SUM, async_op=False):
+    def reduce(self, tensor, root, op=ReduceOp.SUM, async_op=False, output=None):
         self._check("reduce", tensor)
         self._check_rank("reduce", "dst", root)
         top, pre, post = self._prepare_reduce("reduce", tensor, op)
+        if output is not None:
+            self._check_output("reduce", tensor, output)
+            # Only the root's output is written (as NCCL's); the others reduce from a scratch copy.
+            if self.rank == root:
+                output.view(tensor.shape).copy_(tensor)
+            tensor = output if self.rank == root else tensor.clone()
         if pre is not None:
             tensor.mul_(pre)
         finish = (lambda: tensor.div_(post)) if post and self.rank == root else None

@@ -2,7 +2,8 @@
 
 The hot path is the C++ method itself: __init__ binds each Communicator method whose signature
 matches base.Backend as an instance attribute, so `backend.all_reduce(t, op, async_op)` goes
-straight from Python into C++ (op is a ReduceOp int or a PremulSum; C++ reads both). The
+straight from Python into C++ (op is a ReduceOp int or a PremulSum; C++ reads both).
+all_reduce/reduce/broadcast also take output= (last keyword): one out-of-place NCCL call. The
 methods defined on the class are the same calls spelled out, for readers and for the ABC.
 """
 from __future__ import annotations
@@ -125,14 +126,14 @@ class NcclBackend(Backend):
         return self.comm.is_aborted()
 
     # --- base.Backend, spelled out (instances use the bound C++ methods above) ----------
-    def all_reduce(self, tensor, op, async_op=False):  # noqa: F811
-        return self.comm.all_reduce(tensor, op, async_op)
+    def all_reduce(self, tensor, op, async_op=False, output=None):  # noqa: F811
+        return self.comm.all_reduce(tensor, op, async_op, output=output)
 
-    def broadcast(self, tensor, root, async_op=False):  # noqa: F811
-        return self.comm.broadcast(tensor, root, async_op)
+    def broadcast(self, tensor, root, async_op=False, output=None):  # noqa: F811
+        return self.comm.broadcast(tensor, root, async_op, output=output)
 
-    def reduce(self, tensor, root, op, async_op=False):  # noqa: F811
-        return self.comm.reduce(tensor, root, op, async_op)
+    def reduce(self, tensor, root, op, async_op=False, output=None):  # noqa: F811
+        return self.comm.reduce(tensor, root, op, async_op, output=output)
 
     def all_gather(self, output_list, input, async_op=False):  # noqa: F811
         return self.comm.all_gather(output_list, input, async_op)

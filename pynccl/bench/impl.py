@@ -22,6 +22,12 @@ class Impl:
     api: object                  # module with the torch.distributed-shaped functions
     group: object                # passed as the `group` argument (None: pynccl's default group)
     redops: dict = field(repr=False)   # "sum" -> the api's ReduceOp
+    # The pynccl Backend whose all_reduce/reduce/broadcast take output= (one NCCL call for the
+    # out-of-place rows), or None where the API is in-place only (torch: copy_ + op).
+    get_backend: object = field(default=None, repr=False)
+
+    def out_of_place_backend(self):
+        return self.get_backend() if self.get_backend is not None else None
 
     def redop(self, name):
         return self.redops.get(name) if name is not None else None
@@ -30,7 +36,8 @@ class Impl:
 def pynccl_impl() -> Impl:
     R = pynccl.ReduceOp
     return Impl("pynccl", f"pynccl {pynccl.__version__} ({pynccl.get_backend()} backend)", pynccl, None,
-                {"sum": R.SUM, "prod": R.PRODUCT, "max": R.MAX, "min": R.MIN, "avg": R.AVG})
+                {"sum": R.SUM, "prod": R.PRODUCT, "max": R.MAX, "min": R.MIN, "avg": R.AVG},
+                lambda: pynccl.get_default_group().backend)
 
 
 def _torch_api():

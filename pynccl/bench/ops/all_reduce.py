@@ -1,8 +1,9 @@
 """all_reduce: every rank ends with the reduction of all inputs; busbw = algbw × 2(n-1)/n.
-The API reduces in place (as torch.distributed's): out-of-place copies the input in first."""
+pynccl's out-of-place row is one NCCL call (backend output=); torch's API is in-place only,
+so its row copies the input in first."""
 import functools
 
-from .base import ALL, Collective, Segment, copy_then, whole_counts
+from .base import out_of_place_call, ALL, Collective, Segment, copy_then, whole_counts
 
 
 class AllReduce(Collective):
@@ -22,4 +23,5 @@ class AllReduce(Collective):
         args = (recv, spec.redop, impl.group)
         if in_place:
             return functools.partial(impl.api.all_reduce, *args)
-        return copy_then(send, recv, impl.api.all_reduce, *args)
+        return (out_of_place_call(impl, "all_reduce", send, recv, spec.redop, False)
+                or copy_then(send, recv, impl.api.all_reduce, *args))

@@ -4,8 +4,9 @@ factor, and the call. Everything else (sweep, timing, checking, printing) lives 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -76,6 +77,15 @@ def copy_then(send: torch.Tensor, recv: torch.Tensor, fn, *args) -> Callable[[],
         copy(send)
         fn(*args)
     return out_of_place
+
+
+def out_of_place_call(impl, method: str, send: torch.Tensor, recv: torch.Tensor, *args) -> Optional[Callable[[], None]]:
+    """The true out-of-place op where the implementation has one: backend.<method>(send, *args,
+    output=recv), one NCCL call as nccl-tests makes; None otherwise (then copy_then)."""
+    backend = impl.out_of_place_backend()
+    if backend is None:
+        return None
+    return functools.partial(getattr(backend, method), send, *args, output=recv)
 
 
 class Collective:

@@ -1,8 +1,9 @@
 """broadcast: root's input reaches every rank; busbw = algbw.
-The API broadcasts in place: out-of-place copies root's input into its output first."""
+pynccl's out-of-place row is one NCCL call (backend output=); torch's API is in-place, so
+root copies its input into its output first."""
 import functools
 
-from .base import Collective, Segment, copy_then, whole_counts
+from .base import out_of_place_call, Collective, Segment, copy_then, whole_counts
 
 
 class Broadcast(Collective):
@@ -20,6 +21,12 @@ class Broadcast(Collective):
 
     def make_call(self, impl, send, recv, in_place, spec):
         args = (recv, spec.root, impl.group)
-        if in_place or spec.rank != spec.root:
+        if in_place:
+            return functools.partial(impl.api.broadcast, *args)
+        # pynccl: one ncclBroadcast(send, recv) on every rank; torch: root copies, then in-place.
+        direct = out_of_place_call(impl, "broadcast", send, recv, spec.root, False)
+        if direct is not None:
+            return direct
+        if spec.rank != spec.root:
             return functools.partial(impl.api.broadcast, *args)
         return copy_then(send, recv, impl.api.broadcast, *args)

@@ -1,8 +1,9 @@
 """reduce: root ends with the reduction of all inputs (other ranks' outputs are not checked);
-busbw = algbw. The API reduces in place: out-of-place copies the input in first."""
+busbw = algbw. pynccl's out-of-place row is one NCCL call (backend output=); torch's API is in-place, so
+its row copies the input in first."""
 import functools
 
-from .base import ALL, Collective, Segment, copy_then, whole_counts
+from .base import out_of_place_call, ALL, Collective, Segment, copy_then, whole_counts
 
 
 class Reduce(Collective):
@@ -23,4 +24,5 @@ class Reduce(Collective):
         args = (recv, spec.root, spec.redop, impl.group)
         if in_place:
             return functools.partial(impl.api.reduce, *args)
-        return copy_then(send, recv, impl.api.reduce, *args)
+        return (out_of_place_call(impl, "reduce", send, recv, spec.root, spec.redop, False)
+                or copy_then(send, recv, impl.api.reduce, *args))
