@@ -177,8 +177,8 @@ class Reporter:
         self._print(f"# {a.name} vs {b.name} ({b.label}), same processes and buffers: {unit} (us) and busbw "
                     f"(GB/s) of each; ratio = {a.name} time / {b.name} time (< 1: {a.name} faster)")
         if self.op.name in ("all_reduce", "reduce", "broadcast"):
-            self._print(f"# out-of-place: {a.name} is one NCCL call (output=); {b.name} is copy_ + the in-place op "
-                        f"(its API has no output)")
+            self._print(f"# out-of-place: {a.name} passes output= (one NCCL call on nccl); {b.name} is copy_ + the "
+                        f"in-place op (its API has no output)")
         # The prefix "# %10s  %8s  %6s  %6s" is 38 wide and each placement block 44.
         self._print(("#" + " " * 37 + "out-of-place".center(44) + "in-place".center(44)).rstrip())
         cols = "  %8s  %8s  %6s  %6s  %6s"
