@@ -211,19 +211,29 @@ def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
     (torch returns one Work per op; waiting on any of ours waits for the whole batch)."""
     if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
         raise ValueError("batch_isend_irecv: expected a non-empty list of pynccl.P2POp")
-    g = None
+    # NOTE: called per micro-batch by pipelines: the common case is one dict lookup per op;
+    # messages are built only when something is wrong.
+    g = _group(p2p_op_list[0].group if isinstance(p2p_op_list[0], P2POp) else None)
+    rank_of = g._group_rank_of
     ops = []
+    for p in p2p_op_list:
+        if type(p) is not P2POp or p.group is not p2p_op_list[0].group or type(p.tensor) is not torch.Tensor:
+            _explain_bad_p2p(p2p_op_list)
+        peer = rank_of.get(p.peer)
+        if peer is None or type(p.peer) is not int:
+            g.group_rank(p.peer, "peer")  # raises, naming the group
+        ops.append((p.is_send, p.tensor, peer))
+    return [g.backend.batch_isend_irecv(ops)]
+
+
+def _explain_bad_p2p(p2p_op_list):
+    first = p2p_op_list[0].group if isinstance(p2p_op_list[0], P2POp) else None
     for i, p in enumerate(p2p_op_list):
         if not isinstance(p, P2POp):
             raise TypeError(f"batch_isend_irecv: element {i} is {type(p).__name__}, expected pynccl.P2POp")
-        pg = _group(p.group)
-        if g is None:
-            g = pg
-        elif pg is not g:
+        if p.group is not first:
             raise ValueError("batch_isend_irecv: all ops must use the same group")
         _check_tensor("batch_isend_irecv", f"ops[{i}].tensor", p.tensor)
-        ops.append((p.is_send, p.tensor, g.group_rank(p.peer, f"ops[{i}].peer")))
-    return [g.backend.batch_isend_irecv(ops)]
 
 
 def barrier(group=None, async_op=False, device_ids=None):

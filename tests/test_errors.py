@@ -78,6 +78,14 @@ def bad_input_case(rank, ws):
             pynccl.all_reduce, torch.ones(2, dtype=torch.complex64))
     _raises(ValueError, r"expected a contiguous tensor", pynccl.all_reduce, torch.ones(4, 4).t())
     _raises(TypeError, r"group must be a pynccl ProcessGroup", pynccl.all_reduce, f32, group="world")
+    # batch_isend_irecv: wrong element, non-tensor, unknown peer, mixed groups
+    _raises(TypeError, r"element 1 is str, expected pynccl.P2POp",
+            pynccl.batch_isend_irecv, [pynccl.P2POp(pynccl.isend, f32, 1 - rank), "x"])
+    _raises(TypeError, r"ops\[0\].tensor must be a torch.Tensor, got list",
+            pynccl.batch_isend_irecv, [pynccl.P2POp(pynccl.isend, [1.0], 1 - rank)])
+    _raises(ValueError, r"peer=5 is not a rank of group 'world'",
+            pynccl.batch_isend_irecv, [pynccl.P2POp(pynccl.isend, f32, 5)])
+    _raises(ValueError, r"batch_isend_irecv: expected a non-empty list", pynccl.batch_isend_irecv, [])
     # Nothing above reached the communicator: a real op still works and agrees.
     t = torch.full((2,), float(rank))
     pynccl.all_reduce(t)
