@@ -6,6 +6,10 @@ pack kernel's bandwidth against a device-to-device copy of the same bytes.
     python benchmarks/ddp_bench.py                          # one GPU, world size 1
     python benchmarks/ddp_bench.py --nproc 4                # 4 GPUs, processes spawned here
     torchrun --nproc_per_node 8 benchmarks/ddp_bench.py     # or under torchrun
+    python benchmarks/ddp_bench.py --grad-view both         # DDPs with gradient_as_bucket_view False and True
+
+Every step sets gradients to None first (both DDPs then copy each fresh gradient into its bucket
+once; with gradient_as_bucket_view=True nothing is copied back).
 
 Precision: bf16 autocast over fp32 parameters, gradients, buckets and AdamW (--precision fp32
 for plain fp32). Every mode uses the same AdamW(fused=True, capturable=True) and one fixed
@@ -84,15 +88,16 @@ class Trainer:
 
     def __init__(self, mode, args, device, torch_pg, batch):
         torch.manual_seed(0)
+        grad_view = mode.endswith(VIEW)
         model = GPT().to(device)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.ddp = None
-        if mode == "torch DDP":
+        if mode.startswith("torch DDP"):
             model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index], process_group=torch_pg,
-                                                        gradient_as_bucket_view=args.grad_view)
+                                                        gradient_as_bucket_view=grad_view)
         elif mode.startswith("pynccl"):
             model = self.ddp = pynccl.DistributedDataParallel(model, device_ids=[device.index],
-                                                              gradient_as_bucket_view=args.grad_view)
+                                                              gradient_as_bucket_view=grad_view)
             self.profile = None
             self.ddp.register_comm_hook(None, self._timed_hook)
         self.model = model
@@ -100,7 +105,7 @@ class Trainer:
         self.x, self.y = batch
         self.autocast = args.precision == "bf16"
         self.graph = None
-        if mode.endswith("+ graph"):
+        if "+ graph" in mode:
             self._capture()
 
     def _timed_hook(self, state, bucket):
@@ -176,38 +181,73 @@ def bucket_table(ddp, ready_ms, iters):
     return rows
 
 
+def _timed(fn, iters):
+    for _ in range(3):
+        fn()
+    return statistics.median(_events_ms(fn, iters))
+
+
 def pack_vs_copy(ddp, iters):
-    """The pack kernel over every gradient (one launch per bucket) and the same bytes copied
-    device to device in one tensor copy; GB/s counts bytes read + written, as for a copy."""
+    """The pack kernel against device-to-device copies of the same bytes; GB/s counts bytes read +
+    written, as for a copy. Two comparisons: every bucket at once (one pack launch per bucket
+    against ONE copy of all the bytes: launch count differs) and bucket by bucket (one pack
+    launch against one copy of that bucket's bytes: same launch count), summed over buckets."""
     backend = pynccl.get_default_group().backend
     ws = pynccl.get_world_size()
     buckets = ddp.reducer.bucketer.buckets
     grads = [[torch.randn_like(p) for p in b.params] for b in buckets]
-    nbytes = sum(b.buffer.numel() * b.buffer.element_size() for b in buckets)
+    sizes = [b.buffer.numel() * b.buffer.element_size() for b in buckets]
+    nbytes = sum(sizes)
     src = torch.randn(nbytes // 4, device=buckets[0].buffer.device)
     dst = torch.empty_like(src)
     biggest = max(range(len(buckets)), key=lambda i: buckets[i].numel)
-    big_bytes = buckets[biggest].buffer.numel() * buckets[biggest].buffer.element_size()
     cases = {   # name: (fn, bytes it packs or copies)
-        "pack (scale 1/world_size), all buckets":
+        "pack (scale 1/world_size), all buckets, 1 launch/bucket":
             (lambda: [backend.pack(g, b.buffer, 1.0 / ws) for g, b in zip(grads, buckets)], nbytes),
-        "pack (scale 0.5), all buckets": (lambda: [backend.pack(g, b.buffer, 0.5) for g, b in zip(grads, buckets)], nbytes),
-        "unpack, all buckets": (lambda: [backend.unpack(b.buffer, g, 1.0) for g, b in zip(grads, buckets)], nbytes),
+        "pack (scale 0.5), all buckets, 1 launch/bucket":
+            (lambda: [backend.pack(g, b.buffer, 0.5) for g, b in zip(grads, buckets)], nbytes),
+        "unpack, all buckets, 1 launch/bucket": (lambda: [backend.unpack(b.buffer, g, 1.0) for g, b in zip(grads, buckets)], nbytes),
         f"pack, bucket {biggest} ({len(buckets[biggest].params)} tensors)":
-            (lambda: backend.pack(grads[biggest], buckets[biggest].buffer, 1.0 / ws), big_bytes),
-        "device-to-device copy, same bytes": (lambda: dst.copy_(src), nbytes),
+            (lambda: backend.pack(grads[biggest], buckets[biggest].buffer, 1.0 / ws), sizes[biggest]),
+        "device-to-device copy, all bytes, 1 launch": (lambda: dst.copy_(src), nbytes),
     }
     out = {}
     for name, (fn, moved) in cases.items():
-        for _ in range(3):
-            fn()
-        t = statistics.median(_events_ms(fn, iters))
+        t = _timed(fn, iters)
         out[name] = dict(ms=t, gbs=2 * moved / (t * 1e-3) / 1e9)
-    return out
+    per_bucket = []
+    for i, b in enumerate(buckets):
+        n = sizes[i] // 4
+        pack_ms = _timed(lambda: backend.pack(grads[i], b.buffer, 1.0 / ws), iters)
+        unpack_ms = _timed(lambda: backend.unpack(b.buffer, grads[i], 1.0), iters)
+        copy_ms = _timed(lambda: dst[:n].copy_(src[:n]), iters)
+        per_bucket.append(dict(bucket=b.index, num_tensors=len(b.params), mbytes=sizes[i] / 2**20, pack_ms=pack_ms,
+                               unpack_ms=unpack_ms, copy_ms=copy_ms))
+    return out, per_bucket
 
 
 # ----------------------------------------------------------------------------- driver
 MODES = ["no DDP", "torch DDP", "pynccl DDP", "no DDP + graph", "pynccl DDP + graph"]
+DDP_MODES = ["torch DDP", "pynccl DDP", "pynccl DDP + graph"]   # run once per gradient_as_bucket_view setting
+VIEW = " [view]"                                                  # suffix of gradient_as_bucket_view=True modes
+
+
+def grad_view_settings(arg):
+    return {"off": [False], "on": [True], "both": [False, True]}[arg]
+
+
+def mode_names(settings, skip):
+    """Mode names in run order; a DDP mode gets VIEW appended when gradient_as_bucket_view=True
+    (both DDPs, so torch DDP and pynccl DDP are always compared under the same setting)."""
+    names = []
+    for m in MODES:
+        if m in skip:
+            continue
+        if m in DDP_MODES:
+            names.extend(m + (VIEW if v else "") for v in settings)
+        else:
+            names.append(m)
+    return names
 
 
 def worker(rank, world_size, args):
@@ -220,7 +260,8 @@ def worker(rank, world_size, args):
     torch_pg = tdist.new_group(backend="nccl")          # torch DDP's own NCCL communicator
     g = torch.Generator(device="cpu").manual_seed(1 + rank)
     batch = tuple(torch.randint(0, 50257, (args.batch, args.seq), generator=g).to(device) for _ in range(2))
-    trainers = {m: Trainer(m, args, device, torch_pg, batch) for m in MODES if m not in args.skip}
+    settings = grad_view_settings(args.grad_view)
+    trainers = {m: Trainer(m, args, device, torch_pg, batch) for m in mode_names(settings, args.skip)}
     for tr in trainers.values():
         for _ in range(args.warmup):
             tr.step()
@@ -231,16 +272,18 @@ def worker(rank, world_size, args):
             times[m].extend(_events_ms(tr.step, args.steps))
     result = dict(world_size=world_size, device=torch.cuda.get_device_name(device), torch=torch.__version__,
                   nccl=str(pynccl.nccl_version()), precision=args.precision, batch=args.batch, seq=args.seq,
-                  grad_view=args.grad_view, modes={})
+                  grad_view=settings, modes={})
     for m, ts in times.items():
         result["modes"][m] = dict(median_ms=statistics.median(ts), min_ms=min(ts), max_ms=max(ts), n=len(ts))
-    eager = trainers.get("pynccl DDP")
-    if eager is not None:
+    eager_name = next((m for m in trainers if m.startswith("pynccl DDP") and "graph" not in m), None)
+    if eager_name is not None:
+        eager = trainers[eager_name]
         result["num_params"] = eager.num_params
+        result["profiled_mode"] = eager_name
         ready, bwd_ms = eager.profile_buckets()
         result["backward_ms"] = bwd_ms
         result["buckets"] = bucket_table(eager.ddp, ready, args.steps)
-        result["pack"] = pack_vs_copy(eager.ddp, args.steps)
+        result["pack"], result["pack_per_bucket"] = pack_vs_copy(eager.ddp, args.steps)
     del trainers
     gc.collect()
     torch.cuda.empty_cache()
@@ -249,30 +292,36 @@ def worker(rank, world_size, args):
 
 
 def print_report(r):
+    views = {False: "False", True: "True"}
     print(f"# pynccl DDP benchmark: GPT-2 small ({r.get('num_params', 0) / 1e6:.1f}M params), batch {r['batch']}x"
           f"{r['seq']} tokens per rank, {r['precision']}{' autocast' if r['precision'] == 'bf16' else ''}, "
           f"world size {r['world_size']}, {r['device']}, torch {r['torch']}, NCCL {r['nccl']}, "
-          f"gradient_as_bucket_view={r['grad_view']}")
+          f"gradient_as_bucket_view={' and '.join(views[v] for v in r['grad_view'])}"
+          f"{' (modes marked' + VIEW + ': True, for both DDPs)' if True in r['grad_view'] else ''}")
     modes = r["modes"]
 
     def overhead(m):      # against no DDP run the same way (eager, or captured in a graph)
-        base = modes.get("no DDP + graph" if m.endswith("+ graph") else "no DDP", {}).get("median_ms")
+        base = modes.get("no DDP + graph" if "+ graph" in m else "no DDP", {}).get("median_ms")
         return (modes[m]["median_ms"] - base, base) if base else (float("nan"), float("nan"))
 
-    print(f"{'mode':<22}{'median ms':>11}{'min':>9}{'max':>9}{'overhead ms':>13}{'overhead %':>12}")
+    print(f"{'mode':<28}{'median ms':>11}{'min':>9}{'max':>9}{'overhead ms':>13}{'overhead %':>12}")
     for m, s in modes.items():
         over, base = overhead(m)
-        print(f"{m:<22}{s['median_ms']:>11.2f}{s['min_ms']:>9.2f}{s['max_ms']:>9.2f}{over:>13.3f}"
+        print(f"{m:<28}{s['median_ms']:>11.2f}{s['min_ms']:>9.2f}{s['max_ms']:>9.2f}{over:>13.3f}"
               f"{100 * over / base:>11.2f}%")
-    if "torch DDP" in modes and "pynccl DDP" in modes:
-        t_over = overhead("torch DDP")[0]
-        for m in ("pynccl DDP", "pynccl DDP + graph"):
+    for v in r["grad_view"]:
+        suffix = VIEW if v else ""
+        if "torch DDP" + suffix not in modes:
+            continue
+        t_over = overhead("torch DDP" + suffix)[0]
+        for m in ("pynccl DDP" + suffix, "pynccl DDP + graph" + suffix):
             if m in modes:
                 ratio = overhead(m)[0] / t_over if t_over > 0 else float("nan")
-                print(f"# {m} overhead / torch DDP overhead = {ratio:.2f} (target <= 0.5)")
+                print(f"# gradient_as_bucket_view={views[v]}: {m} overhead / torch DDP{suffix} overhead = {ratio:.2f} "
+                      f"(target <= 0.5)")
     if "buckets" in r:
-        print(f"\n# buckets (backward takes {r['backward_ms']:.2f} ms; 'ready at' = GPU time from its start "
-              f"when the bucket was packed and handed to its all-reduce)")
+        print(f"\n# buckets of '{r['profiled_mode']}' (backward takes {r['backward_ms']:.2f} ms; 'ready at' = GPU time "
+              f"from its start when the bucket was packed and handed to its all-reduce)")
         print(f"{'bucket':>6}{'params':>8}{'MiB':>9}{'ready at ms':>13}{'all-reduce us':>15}{'algbw GB/s':>12}"
               f"{'busbw GB/s':>12}")
         for b in r["buckets"]:
@@ -280,9 +329,23 @@ def print_report(r):
             print(f"{b['bucket']:>6}{b['num_params']:>8}{b['mbytes']:>9.2f}{ready:>13}{b['allreduce_us']:>15.1f}"
                   f"{b['algbw_gbs']:>12.1f}{b['busbw_gbs']:>12.1f}")
         print("\n# pack kernel vs device-to-device copy (GB/s = bytes read + written per second)")
-        copy = r["pack"]["device-to-device copy, same bytes"]["gbs"]
+        print("# (a) all buckets at once: one pack launch PER BUCKET vs ONE copy of all the bytes (launch count differs)")
+        copy = r["pack"]["device-to-device copy, all bytes, 1 launch"]["gbs"]
         for name, s in r["pack"].items():
-            print(f"{name:<44}{s['ms']:>9.3f} ms{s['gbs']:>10.0f} GB/s{100 * s['gbs'] / copy:>8.1f}% of copy")
+            print(f"{name:<58}{s['ms']:>9.3f} ms{s['gbs']:>10.0f} GB/s{100 * s['gbs'] / copy:>8.1f}% of copy")
+        rows = r["pack_per_bucket"]
+        print("# (b) bucket by bucket: one pack (scale 1/world_size) / unpack launch vs one copy of that bucket's bytes "
+              "(same launch count); % = copy time / kernel time")
+        print(f"{'bucket':>6}{'tensors':>9}{'MiB':>9}{'pack us':>10}{'unpack us':>11}{'copy us':>10}{'pack %':>9}"
+              f"{'unpack %':>10}")
+        for b in rows:
+            print(f"{b['bucket']:>6}{b['num_tensors']:>9}{b['mbytes']:>9.2f}{1e3 * b['pack_ms']:>10.1f}"
+                  f"{1e3 * b['unpack_ms']:>11.1f}{1e3 * b['copy_ms']:>10.1f}{100 * b['copy_ms'] / b['pack_ms']:>8.1f}%"
+                  f"{100 * b['copy_ms'] / b['unpack_ms']:>9.1f}%")
+        pack_sum, unpack_sum, copy_sum = (sum(b[k] for b in rows) for k in ("pack_ms", "unpack_ms", "copy_ms"))
+        print(f"# sum over buckets: pack {pack_sum:.3f} ms, unpack {unpack_sum:.3f} ms, copy {copy_sum:.3f} ms -> "
+              f"pack {100 * copy_sum / pack_sum:.1f}% and unpack {100 * copy_sum / unpack_sum:.1f}% of copy bandwidth "
+              f"(target >= 80%)")
 
 
 def main():
@@ -293,7 +356,9 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode per repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--grad-view", action="store_true", help="gradient_as_bucket_view=True for both DDPs")
+    p.add_argument("--grad-view", nargs="?", const="on", default="off", choices=["off", "on", "both"],
+                   help="gradient_as_bucket_view for both DDPs: --grad-view (= on) True, 'both' runs the DDP modes "
+                        "under False and True in one process (no-DDP baselines shared)")
     p.add_argument("--skip", nargs="*", default=[], choices=MODES, help="modes to leave out")
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn (one GPU each) when not under torchrun")
     p.add_argument("--json", help="also write the results here")

@@ -172,23 +172,33 @@ class Reducer:
 
     def _sources(self, b: Bucket) -> List[torch.Tensor]:
         """What to pack, on the stream that produced the gradients (NOTE: any tensor made or
-        dropped here belongs to that stream, so no other stream frees memory under it)."""
+        dropped here belongs to that stream, so no other stream frees memory under it).
+        gradient_as_bucket_view: a gradient that already is its bucket view is packed as itself
+        (_reduce then skips the copy); a fresh one (grads were set to None) becomes the view here
+        and the pack moves it in, so one fused launch on the side stream replaces a copy per
+        parameter on the compute stream."""
         if not self.grad_as_view:
             return [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        views = b.views()
-        for p, v in zip(b.params, views):
+        sources = []
+        for p, v in zip(b.params, b.views()):
             g = p.grad
             if g is None:
                 v.zero_()
+                sources.append(v)
             elif g.data_ptr() != v.data_ptr():
-                v.copy_(g)
+                sources.append(g)            # kept alive by self.pending until the streams join
                 p.grad = v
-        return views
+            else:
+                sources.append(v)
+        return sources
 
     def _reduce(self, b: Bucket, sources: List[torch.Tensor]):
         wire = b.extra["wire"]
-        if self.grad_as_view and wire is b.buffer:
-            wire.mul_(self.scale)                    # the gradients already are the buffer
+        if wire is b.buffer and all(s is v for s, v in zip(sources, b.views())):
+            # The gradients already are the buffer: no copy; and no kernel at all when the
+            # scale is 1 (world size 1), which is the identity.
+            if self.scale != 1.0:
+                wire.mul_(self.scale)
         else:
             self.backend.pack(sources, wire, self.scale)
         return self.hook(self.hook_state, b.extra["grad_bucket"])

@@ -9,9 +9,10 @@ API
 ``assign_buckets(tensors, first_cap_bytes, cap_bytes) -> list[list[int]]``
     Pure logic (no processes, works on meta tensors): walks `tensors` in the given order,
     one open bucket per (dtype, device); a bucket closes once it holds >= its cap (the first
-    bucket of each key `first_cap_bytes`, later ones `cap_bytes`); a tensor larger than the
-    cap gets a bucket of its own. Buckets come back in the order they would become ready if
-    gradients arrived in the given order (sorted by the position of their last member).
+    bucket of each key `first_cap_bytes`, later ones `cap_bytes`); a tensor of `cap_bytes` or
+    more gets a bucket of its own (the open bucket closes before it, under its cap). Buckets
+    come back in the order they would become ready if gradients arrived in the given order
+    (sorted by the position of their last member).
 
 ``GradBucketer(params, on_bucket_ready, on_backward_end=None, *, bucket_cap_bytes=25 MiB,
 first_bucket_cap_bytes=1 MiB, param_names=None, pad_to=1)``
@@ -73,15 +74,23 @@ def assign_buckets(tensors: Sequence[torch.Tensor], first_cap_bytes: int = DEFAU
     open_bytes: Dict[tuple, int] = {}
     num_closed: Dict[tuple, int] = {}
     closed: List[List[int]] = []
+    def close(key) -> None:
+        closed.append(open_buckets.pop(key))
+        open_bytes.pop(key)
+        num_closed[key] = num_closed.get(key, 0) + 1
+
     for pos, t in enumerate(tensors):
         key = (t.dtype, t.device)
-        open_buckets.setdefault(key, []).append(pos)
-        open_bytes[key] = open_bytes.get(key, 0) + t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= cap_bytes and open_buckets.get(key):
+            # NOTE: an oversized tensor (a tied embedding) goes alone: the small tensors before
+            # it are reduced while its gradient is still being computed, not after.
+            close(key)
         cap = first_cap_bytes if num_closed.get(key, 0) == 0 else cap_bytes
+        open_buckets.setdefault(key, []).append(pos)
+        open_bytes[key] = open_bytes.get(key, 0) + nbytes
         if open_bytes[key] >= cap:
-            closed.append(open_buckets.pop(key))
-            open_bytes.pop(key)
-            num_closed[key] = num_closed.get(key, 0) + 1
+            close(key)
     closed.extend(b for b in open_buckets.values() if b)
     # A bucket is ready when its last member is: that is the order they are reduced in.
     closed.sort(key=lambda b: b[-1])

@@ -85,10 +85,11 @@ def _opt(name, params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
 
 
-def _train(model, opt, batches, rank, ws, accumulate=1):
+def _train(model, opt, batches, rank, ws, accumulate=1, set_to_none=None):
     """Local batch = this rank's chunk of the global batch, in `accumulate` micro-batches
     (no_sync on all but the last); ws=1 with a plain model is the full-batch reference."""
-    set_to_none = not getattr(model, "gradient_as_bucket_view", False)   # views: zero in place
+    if set_to_none is None:
+        set_to_none = not getattr(model, "gradient_as_bucket_view", False)   # views: zero in place
     inner = getattr(model, "module", model)
     for x, y in batches:
         xs, ys = x.chunk(ws)[rank], y.chunk(ws)[rank]
@@ -121,16 +122,19 @@ def _assert_params_close(got, expected, what, tol=1e-6):
 # ----------------------------------------------------------------------------- checks
 def _check_against_torch_and_reference(rank, ws):
     batches = _batches((6 * ws, 8), (6 * ws, 8))
+    # (kwargs, zero_grad(set_to_none=...)): bucket views with grads set to None every step get
+    # fresh gradients that the pack moves into the views.
+    configs = [(dict(), True), (dict(gradient_as_bucket_view=True), False)]
     for opt_name in ("sgd", "adamw"):
-        for kw in (dict(), dict(gradient_as_bucket_view=True)):
+        for kw, set_to_none in configs + ([(dict(gradient_as_bucket_view=True), True)] if opt_name == "sgd" else []):
             ref = _mlp()
             _train(ref, _opt(opt_name, ref.parameters()), batches, 0, 1)
             ours = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB, **kw)
             assert len(ours.reducer.bucketer.buckets) > 2
-            _train(ours, _opt(opt_name, ours.parameters()), batches, rank, ws)
+            _train(ours, _opt(opt_name, ours.parameters()), batches, rank, ws, set_to_none=set_to_none)
             theirs = TorchDDP(_mlp(), **kw)
-            _train(theirs, _opt(opt_name, theirs.parameters()), batches, rank, ws)
-            what = f"{opt_name} {kw}"
+            _train(theirs, _opt(opt_name, theirs.parameters()), batches, rank, ws, set_to_none=set_to_none)
+            what = f"{opt_name} {kw} set_to_none={set_to_none}"
             _assert_params_close(ours.module.parameters(), theirs.module.parameters(), f"{what} vs torch DDP")
             _assert_params_close(ours.module.parameters(), ref.parameters(), f"{what} vs full batch")
             assert ours.reducer.rebuilt, "buckets were not rebuilt after the first iteration"

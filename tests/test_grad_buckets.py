@@ -13,9 +13,18 @@ def _meta(numel, dtype=torch.float32):
 
 def test_first_bucket_small_then_cap():
     # 4-byte floats: 1 MiB = 262144 elements.
-    ts = [_meta(200_000), _meta(100_000), _meta(100_000), _meta(2_000_000), _meta(10)]
+    ts = [_meta(200_000), _meta(100_000), _meta(100_000), _meta(1_000_000), _meta(10)]
     # First bucket closes once >= 1 MiB (after the 2nd tensor); then a 4 MiB cap.
     assert assign_buckets(ts, first_cap_bytes=1 * MiB, cap_bytes=4 * MiB) == [[0, 1], [2, 3], [4]]
+
+
+def test_oversized_tensor_alone_not_after_small_ones():
+    # A tensor of >= cap bytes (a tied embedding) closes the open bucket instead of joining it,
+    # also while the small first bucket is open.
+    ts = [_meta(100), _meta(2_000_000), _meta(100), _meta(100), _meta(3_000_000), _meta(100)]
+    assert assign_buckets(ts, first_cap_bytes=1 * MiB, cap_bytes=4 * MiB) == [[0], [1], [2, 3], [4], [5]]
+    # Below cap_bytes (but above the first cap) it still joins the first bucket, as in torch.
+    assert assign_buckets(ts[:2], first_cap_bytes=1 * MiB, cap_bytes=16 * MiB) == [[0, 1]]
 
 
 def test_large_tensor_gets_own_bucket_and_caps_validated():

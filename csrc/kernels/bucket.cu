@@ -1,8 +1,9 @@
 // Fused multi-tensor copy for gradient buckets: pack many tensors into one flat buffer (or
 // unpack it) with a scale and a dtype cast fused in, in one launch per 120 tensors. Each block
 // copies one fixed-size chunk of one tensor; a block finds its tensor by binary search over
-// the segments' first_block. Chunks whose source and destination are 16-byte aligned move with
-// 16-byte vector loads (the widest of the two element types sets the vector length).
+// the segments' first_block. Tensors whose source and destination are 16-byte aligned move with
+// 16-byte vector loads (the widest of the two element types sets the vector length), also in
+// their last, partial chunk; the rest move element by element, loads batched ahead of stores.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -72,10 +73,64 @@ constexpr int vec_len() {
   return 16 / (sizeof(Src) > sizeof(Dst) ? sizeof(Src) : sizeof(Dst));
 }
 
+// Up to kUnroll 16-byte vectors per thread: all loads are issued before the first store, so a
+// thread keeps kUnroll x 16 bytes in flight. num_vec <= kThreads * kUnroll (a chunk's vectors).
+template <typename Src, typename Dst, int kVec>
+__device__ __forceinline__ void copy_vectors(const Src* src, Dst* dst, int num_vec, bool apply_scale,
+                                             ComputeT<Src, Dst> scale) {
+  const auto* src_vec = reinterpret_cast<const Vec<Src, kVec>*>(src);
+  auto* dst_vec = reinterpret_cast<Vec<Dst, kVec>*>(dst);
+  Vec<Src, kVec> in[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int j = u * kThreads + static_cast<int>(threadIdx.x);
+    if (j < num_vec) in[u] = src_vec[j];
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int j = u * kThreads + static_cast<int>(threadIdx.x);
+    if (j < num_vec) {
+      Vec<Dst, kVec> out;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) out.v[k] = convert<Src, Dst>(in[u].v[k], apply_scale, scale);
+      dst_vec[j] = out;
+    }
+  }
+}
+
+// Elements [begin, end) of one chunk one at a time (unaligned tensors, and the last few elements
+// of a tensor); loads batched ahead of stores as above, since src and dst may alias for the
+// compiler and it would otherwise wait out a memory round trip per element.
+template <typename Src, typename Dst, int kBatch>
+__device__ __forceinline__ void copy_scalars(const Src* src, Dst* dst, int64_t begin, int64_t end, bool apply_scale,
+                                             ComputeT<Src, Dst> scale) {
+  for (int64_t base = begin; base < end; base += int64_t{kThreads} * kBatch) {
+    Src in[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int64_t i = base + int64_t{k} * kThreads + threadIdx.x;
+      if (i < end) in[k] = src[i];
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int64_t i = base + int64_t{k} * kThreads + threadIdx.x;
+      if (i < end) dst[i] = convert<Src, Dst>(in[k], apply_scale, scale);
+    }
+  }
+}
+
+// 8 blocks of 256 threads fill an SM (<= 32 registers a thread); raw bytes (broadcasts of
+// module state, not on the step's path) take 64 and spill below that.
+template <typename Src>
+constexpr int min_blocks_per_sm() {
+  return std::is_same<Src, uint8_t>::value ? 4 : 8;
+}
+
 template <typename Src, typename Dst>
-__global__ void __launch_bounds__(kThreads) bucket_copy_kernel(const __grid_constant__ BucketParams p) {
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm<Src>()) bucket_copy_kernel(const __grid_constant__ BucketParams p) {
   constexpr int kVec = vec_len<Src, Dst>();
-  constexpr int64_t kChunk = int64_t{kThreads} * kVec * kUnroll;
+  constexpr int kChunkVecs = kThreads * kUnroll;
+  constexpr int64_t kChunk = int64_t{kChunkVecs} * kVec;
   const int64_t block = blockIdx.x;
   int lo = 0;
   int hi = p.batch.num_segments - 1;
@@ -84,29 +139,25 @@ __global__ void __launch_bounds__(kThreads) bucket_copy_kernel(const __grid_cons
     if (p.batch.segments[mid].first_block <= block) lo = mid; else hi = mid - 1;
   }
   const Segment& seg = p.batch.segments[lo];
-  const int64_t begin = (block - seg.first_block) * kChunk;
+  int64_t begin = (block - seg.first_block) * kChunk;
   const int64_t end = begin + kChunk < seg.numel ? begin + kChunk : seg.numel;
   const Src* src = p.to_flat ? static_cast<const Src*>(seg.tensor) : static_cast<const Src*>(p.flat) + seg.flat_offset;
   Dst* dst = p.to_flat ? static_cast<Dst*>(p.flat) + seg.flat_offset : static_cast<Dst*>(seg.tensor);
   const auto scale = static_cast<ComputeT<Src, Dst>>(p.scale);
   const bool aligned = reinterpret_cast<uintptr_t>(src) % (sizeof(Src) * kVec) == 0 &&
                        reinterpret_cast<uintptr_t>(dst) % (sizeof(Dst) * kVec) == 0;
-  if (aligned && end - begin == kChunk) {
-    const auto* src_vec = reinterpret_cast<const Vec<Src, kVec>*>(src + begin);
-    auto* dst_vec = reinterpret_cast<Vec<Dst, kVec>*>(dst + begin);
-    Vec<Src, kVec> in[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) in[u] = src_vec[u * kThreads + threadIdx.x];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      Vec<Dst, kVec> out;
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) out.v[k] = convert<Src, Dst>(in[u].v[k], p.apply_scale, scale);
-      dst_vec[u * kThreads + threadIdx.x] = out;
+  if (aligned) {
+    // Every chunk but a tensor's last is whole vectors; the last one's vectors go the same
+    // way (a bias of a few KB is one partial chunk), leaving fewer than kVec elements.
+    const int num_vec = static_cast<int>((end - begin) / kVec);
+    if (num_vec == kChunkVecs) {
+      copy_vectors<Src, Dst, kVec>(src + begin, dst + begin, kChunkVecs, p.apply_scale, scale);
+    } else {
+      copy_vectors<Src, Dst, kVec>(src + begin, dst + begin, num_vec, p.apply_scale, scale);
     }
-  } else {
-    for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) dst[i] = convert<Src, Dst>(src[i], p.apply_scale, scale);
+    begin += int64_t{num_vec} * kVec;
   }
+  copy_scalars<Src, Dst, kUnroll>(src, dst, begin, end, p.apply_scale, scale);
 }
 
 template <typename Src, typename Dst>
