@@ -317,11 +317,13 @@ class GlooBackend(Backend):
         offset = 0
         for t in tensors:
             n = t.numel()
-            dst = flat[offset: offset + n]
-            if scale != 1.0:
-                torch.mul(t.reshape(-1), scale, out=dst) if t.dtype == flat.dtype else dst.copy_(t.reshape(-1) * scale)
+            dst, src = flat[offset: offset + n], t.reshape(-1)
+            if scale == 1.0:
+                dst.copy_(src)
+            elif t.dtype == flat.dtype:
+                torch.mul(src, scale, out=dst)
             else:
-                dst.copy_(t.reshape(-1))
+                dst.copy_(src * scale)  # scale, then cast: one rounding into flat's dtype
             offset += n
 
     def unpack(self, flat: torch.Tensor, tensors: List[torch.Tensor], scale: float = 1.0):
