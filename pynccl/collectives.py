@@ -153,32 +153,32 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     return g.backend.all_to_all_single(output, input, out_splits, in_splits, async_op)
 
 
+def _rooted_list_args(fn: str, g, tensor, tensor_list, root_rank: int, root_name: str, list_name: str):
+    """Checks shared by gather and scatter: the list lives on the root only. Returns
+    (group-local root, the list or None)."""
+    n = g.backend.world_size
+    root = g.group_rank(root_rank, root_name)
+    _check_tensor(fn, "tensor", tensor)
+    if g.rank != root:
+        if tensor_list:
+            raise ValueError(f"{fn}: {list_name} must be None or empty on non-{root_name} rank {g.rank}")
+        return root, None
+    _check_list(fn, f"{list_name} (on the {root_name} rank)", tensor_list, n)
+    for i, t in enumerate(tensor_list):
+        _check_same(fn, "tensor", tensor, f"{list_name}[{i}]", t, tensor.numel())
+    return root, list(tensor_list)
+
+
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
     g = _group(group)
-    n = g.backend.world_size
-    root = g.group_rank(dst, "dst")
-    _check_tensor("gather", "tensor", tensor)
-    if g.rank == root:
-        _check_list("gather", "gather_list (on the dst rank)", gather_list, n)
-        for i, t in enumerate(gather_list):
-            _check_same("gather", "tensor", tensor, f"gather_list[{i}]", t, tensor.numel())
-    elif gather_list:
-        raise ValueError(f"gather: gather_list must be None or empty on non-dst rank {g.rank}")
-    return g.backend.gather(tensor, list(gather_list) if g.rank == root else None, root, async_op)
+    root, gather_list = _rooted_list_args("gather", g, tensor, gather_list, dst, "dst", "gather_list")
+    return g.backend.gather(tensor, gather_list, root, async_op)
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
     g = _group(group)
-    n = g.backend.world_size
-    root = g.group_rank(src, "src")
-    _check_tensor("scatter", "tensor", tensor)
-    if g.rank == root:
-        _check_list("scatter", "scatter_list (on the src rank)", scatter_list, n)
-        for i, t in enumerate(scatter_list):
-            _check_same("scatter", "tensor", tensor, f"scatter_list[{i}]", t, tensor.numel())
-    elif scatter_list:
-        raise ValueError(f"scatter: scatter_list must be None or empty on non-src rank {g.rank}")
-    return g.backend.scatter(tensor, list(scatter_list) if g.rank == root else None, root, async_op)
+    root, scatter_list = _rooted_list_args("scatter", g, tensor, scatter_list, src, "src", "scatter_list")
+    return g.backend.scatter(tensor, scatter_list, root, async_op)
 
 
 def send(tensor, dst, group=None, tag=0):
