@@ -33,10 +33,12 @@ def _op_name(op) -> Optional[str]:
 class CheckedBackend:
     """Delegates everything to `inner`, verifying each collective's signature first."""
 
-    def __init__(self, inner, store, group_name: str):
+    def __init__(self, inner, store, group_name: str, key_prefix: str):
         self._inner = inner
         self._store = store
-        self._prefix = f"pynccl/check/{group_name}"
+        # NOTE: key_prefix carries the init's generation: a store reused by a later init must
+        # never hand this group an earlier init's signatures.
+        self._prefix = f"{key_prefix}/check/{group_name}"
         self._group_name = group_name
         self._seq = 0
 
@@ -71,17 +73,17 @@ class CheckedBackend:
                 f"{by_rank}")
 
     # --- collectives: check, then delegate --------------------------------------------
-    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False, output=None):
         self._verify("all_reduce", tensor, op)
-        return self._inner.all_reduce(tensor, op, async_op)
+        return self._inner.all_reduce(tensor, op, async_op, output=output)
 
-    def broadcast(self, tensor, root, async_op=False):
+    def broadcast(self, tensor, root, async_op=False, output=None):
         self._verify("broadcast", tensor, root=root)
-        return self._inner.broadcast(tensor, root, async_op)
+        return self._inner.broadcast(tensor, root, async_op, output=output)
 
-    def reduce(self, tensor, root, op=ReduceOp.SUM, async_op=False):
+    def reduce(self, tensor, root, op=ReduceOp.SUM, async_op=False, output=None):
         self._verify("reduce", tensor, op, root)
-        return self._inner.reduce(tensor, root, op, async_op)
+        return self._inner.reduce(tensor, root, op, async_op, output=output)
 
     def all_gather(self, output_list, input, async_op=False):
         self._verify("all_gather", input)

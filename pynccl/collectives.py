@@ -237,8 +237,25 @@ def _explain_bad_p2p(p2p_op_list):
 
 
 def barrier(group=None, async_op=False, device_ids=None):
-    """Blocks the host until every rank of the group arrives (bounded by the group's timeout)."""
+    """Blocks the host until every rank of the group arrives (bounded by the group's timeout).
+    async_op=True is accepted for torch compatibility and returns an already completed Work;
+    device_ids is accepted and ignored (the group's device is known)."""
     _group(group).backend.barrier()
+    return _COMPLETED if async_op else None
+
+
+class _CompletedWork(Work):
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def synchronize(self, timeout_s=None) -> bool:
+        return True
+
+
+_COMPLETED = _CompletedWork()
 
 
 # ----------------------------------------------------------------------------- objects
@@ -251,8 +268,10 @@ def all_gather_object(object_list: list, obj, group=None) -> None:
     """Pickle-based all-gather of Python objects (for metadata, not for hot paths)."""
     g = _group(group)
     n = g.world_size
-    if not isinstance(object_list, list) or len(object_list) != n:
-        raise ValueError(f"all_gather_object: object_list must be a list of world_size({n}) entries")
+    if not isinstance(object_list, list):
+        raise TypeError(f"all_gather_object: object_list must be a list, got {type(object_list).__name__}")
+    if len(object_list) != n:
+        raise ValueError(f"all_gather_object: object_list has {len(object_list)} entries, expected world_size({n})")
     dev = g.backend.device
     payload = _object_to_tensor(obj, dev)
     sizes = torch.zeros(n, dtype=torch.int64, device=dev)

@@ -196,9 +196,6 @@ class GradBucketer:
                 self._bucket_of[i] = b_idx
         self._next_bucket = 0
 
-    def bucket_of(self, param: torch.Tensor) -> Bucket:
-        return self.buckets[self._bucket_of[self._index_of[id(param)]]]
-
     # ------------------------------------------------------------------ hooks
     def register_hooks(self) -> None:
         if self._hooks:

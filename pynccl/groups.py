@@ -60,9 +60,6 @@ class ProcessGroup:
                              f"(global ranks {self.ranks})")
         return idx
 
-    def global_rank(self, group_rank: int) -> int:
-        return self.ranks[group_rank]
-
     def __repr__(self):
         return f"ProcessGroup(name={self.name!r}, backend={self.backend_name!r}, ranks={self.ranks}, rank={self.rank})"
 
@@ -82,6 +79,7 @@ class _State:
         self.owns_torch_dist = False
         self.num_groups_created = 0
         self.check_collectives = False
+        self.key_prefix = "pynccl/0"   # store keys of this init: "pynccl/<generation>"
 
 
 _state = _State()
@@ -133,6 +131,7 @@ def init_process_group(backend: str = "nccl", init_method: Optional[str] = "env:
     rank, world_size, store, owns = rendezvous.bootstrap(init_method, rank, world_size, timeout_s, store)
     prefix = f"pynccl/{rendezvous.next_generation()}"
     be = _make_backend(backend, rank, world_size, timeout_s, device_id, store, prefix)
+    _state.key_prefix = prefix
     _state.store = store
     if check_collectives is None:
         check_collectives = os.environ.get("PYNCCL_CHECK_COLLECTIVES", "0") == "1"
@@ -147,7 +146,7 @@ def _maybe_checked(backend, name: str):
     if not _state.check_collectives:
         return backend
     from .collective_check import CheckedBackend
-    return CheckedBackend(backend, _state.store, name)
+    return CheckedBackend(backend, _state.store, name, _state.key_prefix)
 
 
 def flight_record(group=None) -> List[dict]:
@@ -169,35 +168,35 @@ def _group(group) -> ProcessGroup:
     return group
 
 
+def _require_usable(g: ProcessGroup) -> ProcessGroup:
+    """Raise the group's own error (not initialized / destroyed / not a member) if it has one."""
+    if isinstance(g.backend, _Unusable):
+        raise g.backend._error
+    return g
+
+
 def get_default_group() -> ProcessGroup:
-    _state.world.backend.rank  # raises if uninitialized
-    return _state.world
+    return _require_usable(_state.world)
 
 
 def get_store():
     """The rendezvous TCPStore (for side-channel checks); raises before init."""
-    _state.world.backend.rank
+    _require_usable(_state.world)
     return _state.store
 
 
 def get_rank(group=None) -> int:
     g = _group(group)
-    if g is _state.world:
-        g.backend.rank  # raises if uninitialized
-    return g.rank
+    return _require_usable(g).rank if g is _state.world else g.rank
 
 
 def get_world_size(group=None) -> int:
     g = _group(group)
-    if g is _state.world:
-        g.backend.rank
-    return g.world_size
+    return _require_usable(g).world_size if g is _state.world else g.world_size
 
 
 def get_backend(group=None) -> str:
-    g = _group(group)
-    g.backend.rank
-    return g.backend_name
+    return _require_usable(_group(group)).backend_name
 
 
 def get_device(group=None) -> torch.device:
@@ -223,7 +222,9 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Opti
     if not ranks:
         raise ValueError("new_group: ranks must not be empty")
     for r in ranks:
-        if not isinstance(r, int) or not 0 <= r < world.world_size:
+        if not isinstance(r, int) or isinstance(r, bool):
+            raise TypeError(f"new_group: ranks must be ints (global ranks), got {r!r}")
+        if not 0 <= r < world.world_size:
             raise ValueError(f"new_group: rank {r!r} out of range [0, {world.world_size})")
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"new_group: ranks contain duplicates: {ranks}")

@@ -91,25 +91,22 @@ def bootstrap(init_method, rank: int, world_size: int, timeout_s: float, store) 
     return rank, world_size, store, True
 
 
-_listen_sockets = []  # keeps the master's bound socket alive as long as its store
-
-
-def _bound_listen_socket(host: str, port: int) -> socket.socket:
-    """A socket listening on MASTER_ADDR only (TCPStore on its own listens on every interface)."""
+def _bound_listen_fd(host: str, port: int) -> int:
+    """A socket listening on MASTER_ADDR only (TCPStore on its own listens on every interface).
+    NOTE: the descriptor is detached: TCPStore owns (and closes) it from here on."""
     family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(addr)
     sock.listen(1024)
-    _listen_sockets.append(sock)
-    return sock
+    return sock.detach()
 
 
 def _connect_store(host: str, port: int, world_size: int, rank: int, is_master: bool, timeout_s: float):
     try:
         kwargs = {}
         if is_master:
-            kwargs["master_listen_fd"] = _bound_listen_socket(host, port).fileno()
+            kwargs["master_listen_fd"] = _bound_listen_fd(host, port)
         return tdist.TCPStore(host, port, world_size, is_master,
                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
                               multi_tenant=False, **kwargs)
@@ -161,8 +158,8 @@ def _check_unique_rank(store, rank: int, world_size: int, timeout_s: float):
 def exchange_unique_id(store, prefix: str, rank: int, timeout_s: float) -> bytes:
     key = f"{prefix}/nccl_unique_id"
     if rank == 0:
-        from ._ext import _C
-        uid = _C.get_unique_id()
+        from .backends.nccl import get_unique_id
+        uid = get_unique_id()
         store.set(key, uid)
         return uid
     try:

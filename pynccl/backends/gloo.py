@@ -55,8 +55,9 @@ class GlooWork(Work):
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
 
-    def synchronize(self, timeout: Optional[float] = None) -> None:
-        self.wait(timeout)
+    def synchronize(self, timeout_s: Optional[float] = None) -> bool:
+        """Host wait bounded by timeout_s (the group's by default), as the NCCL Work's."""
+        return self.wait(timeout_s)
 
 
 class GlooBackend(Backend):

@@ -56,7 +56,7 @@ def _wrong(text: str) -> Optional[int]:
     return None if text == "N/A" else int(float(text))
 
 
-_ROW = re.compile(rf"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)"
+_ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\w+)\s+(-?\d+)"
                   + rf"(?:\s+({_NUM}|N/A)\s+({_NUM}|N/A)\s+({_NUM}|N/A)\s+({_NUM}|N/A))" * 2)
 _DEVICE = re.compile(r"^#\s+Rank\s+(-?\d+)\s+Group\s+(-?\d+)\s+Pid\s+(\d+)\s+on\s+(\S+)\s+device\s+(-?\d+)"
                      r"\s+\[([^\]]*)\]\s*(.*)$")

@@ -86,9 +86,9 @@ class ReplicatedParamsRuntime:
         if self.bucketer.in_backward:
             missing = self.bucketer.unready_param_names()
             try:
-                self.bucketer.disarm()
+                self.bucketer.check_prior_backward_finished()   # resets the bucketer
             except RuntimeError:
-                pass                                    # reset; our own message follows
+                pass                                    # its DDP-worded message; ours follows
             raise RuntimeError(
                 f"FullyShardedDataParallel(stage={self.stage}): the previous backward produced no gradient for "
                 f"{', '.join(missing)}. In stages 1 and 2 every trainable parameter must take part in the loss: "
