@@ -4,7 +4,6 @@
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <c10/util/Exception.h>
 
 #include "check.h"
 #include "kernels/api.cuh"

@@ -48,8 +48,9 @@ ncclRedOp_t builtin_op(const char* fn, int op, c10::ScalarType dtype) {
 // graph capture, which bakes the factor into the graph).
 class ScopedRedOp {
  public:
-  ScopedRedOp(ncclRedOp_t builtin, double factor, c10::ScalarType dtype, ncclDataType_t type, ncclComm_t comm)
-      : op_(builtin) {
+  ScopedRedOp(ncclRedOp_t builtin, double factor, c10::ScalarType dtype, ncclDataType_t type, ncclComm_t comm,
+              const Communicator& owner)
+      : op_(builtin), owner_(owner) {
     if (builtin != kPremulMarker) return;
     alignas(8) unsigned char scalar[8] = {};
     switch (dtype) {
@@ -69,8 +70,10 @@ class ScopedRedOp {
     comm_ = comm;
   }
   ~ScopedRedOp() {
+    // NOTE: a call that timed out aborts (and frees) the communicator before this runs;
+    // ncclCommAbort has freed the op with it, and comm_ is dangling then.
     // ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm);
-    if (comm_ != nullptr) (void)ncclRedOpDestroy(op_, comm_);
+    if (comm_ != nullptr && !owner_.is_aborted()) (void)ncclRedOpDestroy(op_, comm_);
   }
   ScopedRedOp(const ScopedRedOp&) = delete;
   ScopedRedOp& operator=(const ScopedRedOp&) = delete;
@@ -84,6 +87,7 @@ class ScopedRedOp {
   }
   ncclRedOp_t op_;
   ncclComm_t comm_ = nullptr;
+  const Communicator& owner_;
 };
 
 }  // namespace
@@ -99,7 +103,7 @@ std::shared_ptr<Work> Communicator::all_reduce_impl(const char* fn, const at::Te
   void* const recv = output == nullptr ? t.ptr : check_output(fn, *output, t, device_).ptr;
   const ncclRedOp_t builtin = builtin_op(fn, op, t.dtype);
   OpScope scope(*this, fn, t.dtype, t.numel, -1, async_op);
-  const ScopedRedOp red(builtin, premul_factor, t.dtype, t.type, comm_);
+  const ScopedRedOp red(builtin, premul_factor, t.dtype, t.type, comm_, *this);
   // ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
   //                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
   PYNCCL_CHECK_NCCL_COMM(*this, ncclAllReduce(t.ptr, recv, t.count, t.type, red.get(), comm_, scope.stream()));
@@ -130,7 +134,7 @@ std::shared_ptr<Work> Communicator::reduce(const at::Tensor& tensor, int root, i
   check_rank("reduce", "root", root, world_size_);
   const ncclRedOp_t builtin = builtin_op("reduce", op, t.dtype);
   OpScope scope(*this, "reduce", t.dtype, t.numel, root, async_op);
-  const ScopedRedOp red(builtin, premul_factor, t.dtype, t.type, comm_);
+  const ScopedRedOp red(builtin, premul_factor, t.dtype, t.type, comm_, *this);
   // ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
   //                         ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream);
   PYNCCL_CHECK_NCCL_COMM(*this, ncclReduce(t.ptr, recv, t.count, t.type, red.get(), root, comm_, scope.stream()));
@@ -184,7 +188,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, con
       check_tensor_list("reduce_scatter", "input_list", inputs, device_, world_size_, "output", out);
   const ncclRedOp_t builtin = builtin_op("reduce_scatter", op, out.dtype);
   OpScope scope(*this, "reduce_scatter", out.dtype, out.numel * world_size_, -1, async_op);
-  const ScopedRedOp red(builtin, premul_factor, out.dtype, out.type, comm_);
+  const ScopedRedOp red(builtin, premul_factor, out.dtype, out.type, comm_, *this);
   {
     // NOTE: one reduce per rank in one group; only root r writes its recvbuff, so `output`
     // receives exactly the reduction of everyone's inputs[rank].
@@ -211,7 +215,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter_tensor(const at::Tensor& outp
                     ") = ", out.numel * world_size_);
   const ncclRedOp_t builtin = builtin_op(fn, op, out.dtype);
   OpScope scope(*this, fn, out.dtype, in.numel, -1, async_op);
-  const ScopedRedOp red(builtin, premul_factor, out.dtype, out.type, comm_);
+  const ScopedRedOp red(builtin, premul_factor, out.dtype, out.type, comm_, *this);
   // ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
   //                                ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
   PYNCCL_CHECK_NCCL_COMM(*this,

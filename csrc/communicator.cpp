@@ -3,7 +3,6 @@
 // goes through. The watchdog and flight recorder are in watchdog.cpp.
 #include "communicator.h"
 
-#include <c10/util/Exception.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -252,7 +251,7 @@ void Communicator::abort_nccl(bool caller_in_flight) {
   const int self = caller_in_flight ? 1 : 0;
   const auto deadline = Clock::now() + std::chrono::seconds(10);
   while (in_flight_.load() > self && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(50));
-  (void)cudaSetDevice(device_);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));  // restores the caller's device
   // ncclResult_t ncclCommAbort(ncclComm_t comm);
   (void)ncclCommAbort(comm_);
   comm_ = nullptr;

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
-#include <c10/util/Exception.h>
 #include <nccl.h>
 
 #include "check.h"

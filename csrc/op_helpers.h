@@ -4,7 +4,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
 #include <nccl.h>
 
 #include <string>

@@ -4,7 +4,6 @@
 // abort the communicator; the next call from Python raises the stored error. It never runs
 // Python and never drops a tensor: finished WorkStates go to a graveyard the Python thread
 // empties, since releasing a tensor may need the GIL.
-#include <c10/util/Exception.h>
 #include <sys/stat.h>
 #include <unistd.h>
 

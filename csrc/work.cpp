@@ -2,7 +2,6 @@
 #include "work.h"
 
 #include <c10/cuda/CUDAStream.h>
-#include <c10/util/Exception.h>
 
 #include <chrono>
 #include <cstdio>
@@ -75,13 +74,17 @@ bool wait_event(cudaEvent_t event, double timeout_s) {
 Work::Work(std::shared_ptr<Communicator> comm, std::shared_ptr<WorkState> state)
     : comm_(std::move(comm)), state_(std::move(state)) {}
 
-bool Work::wait(std::optional<double> /*timeout*/) {
+void Work::throw_if_comm_failed() const {
   bool failed = false;  // a Work of a communicator that failed (watchdog, timeout) raises that failure
   {
     std::lock_guard<std::mutex> lock(comm_->error_mutex_);
     failed = !comm_->error_message_.empty();
   }
   if (failed) comm_->throw_unusable(state_->op);
+}
+
+bool Work::wait(std::optional<double> /*timeout*/) {
+  throw_if_comm_failed();
   const auto current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(comm_->device()));
   PYNCCL_CHECK_CUDA(cudaStreamWaitEvent(current.stream(), state_->event, 0));
   state_->tensors.clear();  // NOTE: safe: later work on the current stream is ordered after the op
@@ -117,6 +120,8 @@ bool Work::synchronize(std::optional<double> timeout_s) {
                 /*caller_in_flight=*/false);
     throw TimeoutError(comm_->describe() + ": " + msg + "; the communicator was aborted. Flight record: " + path);
   }
+  // NOTE: an aborted communicator's kernels exit and its events complete: that is no success.
+  throw_if_comm_failed();
   state_->tensors.clear();
   return true;
 }

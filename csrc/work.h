@@ -74,6 +74,9 @@ class Work {
   const char* op() const { return state_->op; }
 
  private:
+  // Raises the communicator's failure (watchdog time-out, abort) as this op's error.
+  void throw_if_comm_failed() const;
+
   std::shared_ptr<Communicator> comm_;
   std::shared_ptr<WorkState> state_;
 };
