@@ -33,7 +33,9 @@ import torch
 from torch import nn
 
 from .. import distributed as dist
+from ..ddp_reducer import broadcast_from_rank0
 from ..distributed import ProcessGroup
+from ..grad_buckets import MiB
 from . import checkpoint, clip
 from . import state_dict as _state_dict
 from .memory import held_bytes
@@ -42,8 +44,6 @@ from .params import collect_params, detach_from_modules, install, named_buffers_
 from .stage3 import ShardedParamsRuntime
 from .stage12 import ReplicatedParamsRuntime
 from .wrap import WrapSpec, select_unit_modules
-
-MiB = 1024 * 1024
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -88,9 +88,7 @@ class FullyShardedDataParallel(nn.Module):
         detach_from_modules(self._param_infos)
         self._keep_frozen(tensors, sync_module_states)
         if sync_module_states and self.process_group.world_size > 1:
-            with torch.no_grad():
-                for _, buf in named_buffers_all(module):
-                    dist.broadcast(buf, src=self.process_group.ranks[0], group=self.process_group)
+            broadcast_from_rank0(self.process_group.backend, [buf for _, buf in named_buffers_all(module)])
         if stage == 3:
             self._runtime = ShardedParamsRuntime(unit_modules, self._param_infos, tensors,
                                                  self.process_group, self.policy, sync_module_states)
@@ -102,12 +100,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def _keep_frozen(self, tensors: List[torch.Tensor], sync: bool) -> None:
         """requires_grad=False parameters stay whole on every rank, cast to the compute dtype."""
-        for info, t in zip(self._param_infos, tensors):
-            if info.requires_grad:
-                continue
-            master = t.detach()
-            if sync and self.process_group.world_size > 1:
-                dist.broadcast(master, src=self.process_group.ranks[0], group=self.process_group)
+        frozen = [(info, t.detach()) for info, t in zip(self._param_infos, tensors) if not info.requires_grad]
+        if sync and self.process_group.world_size > 1:
+            broadcast_from_rank0(self.process_group.backend, [master for _, master in frozen])
+        for info, master in frozen:
             info.frozen_master = master
             dtype = self.policy.param_dtype
             install(info, master.to(dtype) if dtype is not None and master.is_floating_point() else master)
