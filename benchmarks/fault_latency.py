@@ -14,18 +14,26 @@ import pynccl
 from pynccl.testing import run_multiprocess
 
 
+def _until_error(start: float, call):
+    """(seconds from `start` until `call` raised pynccl's error, its class name), or None."""
+    try:
+        call()
+    except pynccl.PyncclError as e:  # CommTimeoutError is one too
+        return time.monotonic() - start, type(e).__name__
+    return None
+
+
 def killed(rank, ws):
     t = torch.ones(1000)
-    for step in range(10_000):
-        if step == 3 and rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if step == 3:
-            start = time.monotonic()
-        try:
+    for step in range(3):
+        pynccl.all_reduce(t)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def train():
+        for _ in range(10_000):
             pynccl.all_reduce(t)
-        except pynccl.PyncclError as e:
-            return time.monotonic() - start, type(e).__name__
-    return None
+    return _until_error(time.monotonic(), train)
 
 
 def skipped(rank, ws, timeout):
@@ -34,23 +42,13 @@ def skipped(rank, ws, timeout):
     if rank == 1:
         time.sleep(timeout + 3)
         return None
-    start = time.monotonic()
-    try:
-        pynccl.all_reduce(t)
-    except pynccl.PyncclError as e:
-        return time.monotonic() - start, type(e).__name__
-    return None
+    return _until_error(time.monotonic(), lambda: pynccl.all_reduce(t))
 
 
 def missing_at_rendezvous(rank, ws, timeout):
     if rank == ws - 1:
         os._exit(0)
-    start = time.monotonic()
-    try:
-        pynccl.init_process_group(backend="gloo", timeout=timeout)
-    except pynccl.PyncclError as e:
-        return time.monotonic() - start, type(e).__name__
-    return None
+    return _until_error(time.monotonic(), lambda: pynccl.init_process_group(backend="gloo", timeout=timeout))
 
 
 def main():
