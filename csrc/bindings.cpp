@@ -166,8 +166,18 @@ PYBIND11_MODULE(_C, m) {
       .def("wait", [](Work& w, py::object /*timeout*/) { return w.wait(std::nullopt); }, py::arg("timeout") = py::none(),
            "The current CUDA stream waits for the op (no host block); then the op's tensors are released.")
       .def("is_completed", &Work::is_completed)
-      .def("synchronize", &Work::synchronize, py::arg("timeout_s") = py::none(),
-           py::call_guard<py::gil_scoped_release>(),
+      .def("synchronize",
+           [](Work& w, std::optional<double> timeout_s) {
+             {
+               py::gil_scoped_release release;
+               w.synchronize(timeout_s);
+             }
+             // NOTE: with the GIL again: the tensors may be the last references to Python-owned ones,
+             // and WorkState::tensors is only touched with the GIL held (Work.wait clears it too).
+             w.release_tensors();
+             return true;
+           },
+           py::arg("timeout_s") = py::none(),
            "Block the host until the op completes, bounded by timeout_s (default: the communicator's); on timeout "
            "the communicator is aborted and CommTimeoutError raised.")
       .def_property_readonly("seq", &Work::seq)
@@ -276,7 +286,9 @@ PYBIND11_MODULE(_C, m) {
       .def("destroy", &Communicator::destroy, py::call_guard<py::gil_scoped_release>())
       .def("is_aborted", &Communicator::is_aborted)
       .def("get_async_error", &Communicator::get_async_error)
-      .def("check", &Communicator::check)
+      .def("check", &Communicator::check, py::call_guard<py::gil_scoped_release>(),
+           "Raise the stored failure or the comm's NCCL async error; an async error aborts the communicator "
+           "(joins the watchdog, ncclCommAbort), so the GIL is released.")
       .def("flight_record",
            [](const Communicator& c) {
              py::list out;

@@ -106,7 +106,7 @@ std::shared_ptr<Work> Communicator::all_reduce_impl(const char* fn, const at::Te
   const ScopedRedOp red(builtin, premul_factor, t.dtype, t.type, comm_, *this);
   // ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
   //                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
-  PYNCCL_CHECK_NCCL_COMM(*this, ncclAllReduce(t.ptr, recv, t.count, t.type, red.get(), comm_, scope.stream()));
+  PYNCCL_CHECK_NCCL_OP(scope, ncclAllReduce(t.ptr, recv, t.count, t.type, red.get(), comm_, scope.stream()));
   scope.keep_alive(tensor);
   if (output != nullptr) scope.keep_alive(*output);
   return scope.finish();
@@ -120,7 +120,7 @@ std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int root
   OpScope scope(*this, "broadcast", t.dtype, t.numel, root, async_op);
   // ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
   //                            int root, ncclComm_t comm, cudaStream_t stream);
-  PYNCCL_CHECK_NCCL_COMM(*this, ncclBroadcast(t.ptr, recv, t.count, t.type, root, comm_, scope.stream()));
+  PYNCCL_CHECK_NCCL_OP(scope, ncclBroadcast(t.ptr, recv, t.count, t.type, root, comm_, scope.stream()));
   scope.keep_alive(tensor);
   if (output != nullptr) scope.keep_alive(*output);
   return scope.finish();
@@ -137,7 +137,7 @@ std::shared_ptr<Work> Communicator::reduce(const at::Tensor& tensor, int root, i
   const ScopedRedOp red(builtin, premul_factor, t.dtype, t.type, comm_, *this);
   // ncclResult_t ncclReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
   //                         ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream);
-  PYNCCL_CHECK_NCCL_COMM(*this, ncclReduce(t.ptr, recv, t.count, t.type, red.get(), root, comm_, scope.stream()));
+  PYNCCL_CHECK_NCCL_OP(scope, ncclReduce(t.ptr, recv, t.count, t.type, red.get(), root, comm_, scope.stream()));
   scope.keep_alive(tensor);
   if (output != nullptr) scope.keep_alive(*output);
   return scope.finish();
@@ -154,9 +154,9 @@ std::shared_ptr<Work> Communicator::all_gather(const std::vector<at::Tensor>& ou
     // data lands in outputs[r] directly, wherever the caller's tensors live.
     NcclGroup group;
     for (int r = 0; r < world_size_; ++r) {
-      PYNCCL_CHECK_NCCL_COMM(*this, ncclBroadcast(in.ptr, outs[r].ptr, in.count, in.type, r, comm_, scope.stream()));
+      PYNCCL_CHECK_NCCL_OP(scope, ncclBroadcast(in.ptr, outs[r].ptr, in.count, in.type, r, comm_, scope.stream()));
     }
-    PYNCCL_CHECK_NCCL_COMM(*this, group.end());
+    PYNCCL_CHECK_NCCL_OP(scope, group.end());
   }
   scope.keep_alive(input);
   for (const auto& t : outputs) scope.keep_alive(t);
@@ -175,7 +175,7 @@ std::shared_ptr<Work> Communicator::all_gather_into_tensor(const at::Tensor& out
   OpScope scope(*this, fn, in.dtype, in.numel, -1, async_op);
   // ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
   //                            ncclComm_t comm, cudaStream_t stream);
-  PYNCCL_CHECK_NCCL_COMM(*this, ncclAllGather(in.ptr, out.ptr, in.count, in.type, comm_, scope.stream()));
+  PYNCCL_CHECK_NCCL_OP(scope, ncclAllGather(in.ptr, out.ptr, in.count, in.type, comm_, scope.stream()));
   scope.keep_alive(input);
   scope.keep_alive(output);
   return scope.finish();
@@ -194,10 +194,10 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, con
     // receives exactly the reduction of everyone's inputs[rank].
     NcclGroup group;
     for (int r = 0; r < world_size_; ++r) {
-      PYNCCL_CHECK_NCCL_COMM(
-          *this, ncclReduce(ins[r].ptr, out.ptr, out.count, out.type, red.get(), r, comm_, scope.stream()));
+      PYNCCL_CHECK_NCCL_OP(
+          scope, ncclReduce(ins[r].ptr, out.ptr, out.count, out.type, red.get(), r, comm_, scope.stream()));
     }
-    PYNCCL_CHECK_NCCL_COMM(*this, group.end());
+    PYNCCL_CHECK_NCCL_OP(scope, group.end());
   }
   scope.keep_alive(output);
   for (const auto& t : inputs) scope.keep_alive(t);
@@ -218,7 +218,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter_tensor(const at::Tensor& outp
   const ScopedRedOp red(builtin, premul_factor, out.dtype, out.type, comm_, *this);
   // ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
   //                                ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
-  PYNCCL_CHECK_NCCL_COMM(*this,
+  PYNCCL_CHECK_NCCL_OP(scope,
                          ncclReduceScatter(in.ptr, out.ptr, out.count, out.type, red.get(), comm_, scope.stream()));
   scope.keep_alive(output);
   scope.keep_alive(input);

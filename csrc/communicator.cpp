@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "check.h"
 #include "nccl_api.h"
@@ -214,16 +215,24 @@ void Communicator::throw_unusable(const char* fn) const {
   throw Error(prefix + " was aborted: " + error_message_);
 }
 
-void Communicator::finish_nccl_call(ncclResult_t result, const char* call, const char* file, int line) {
+void Communicator::finish_nccl_call(ncclResult_t result, const char* call, const char* file, int line,
+                                    OpScope& scope) {
   if (result == ncclInProgress) {
     const double timeout = timeout_s();
     result = wait_comm_ready(comm_, timeout, &state_);
     if (result == ncclSuccess) return;
-    if (result == kAbortRequested) throw_unusable(call);
+    if (result == kAbortRequested) throw_unusable(scope.op_);
     if (result == ncclInProgress) {
-      const std::string msg = std::string(call) + " was still in progress after " + seconds_text(timeout);
-      fail(/*is_timeout=*/true, msg, /*caller_in_flight=*/true);
-      throw TimeoutError(describe() + ": " + msg + "; the communicator was aborted");
+      // NOTE: worded as the watchdog's, Work.synchronize's and barrier's time-outs: "<op> (seq N)".
+      const std::string msg = std::string(scope.op_) + " (seq " + std::to_string(scope.seq_) +
+                              ") did not complete within " + seconds_text(timeout) + ": " + call +
+                              " was still in progress";
+      scope.unfinished_state_ = OpState::kTimedOut;
+      scope.record_entry(OpState::kTimedOut, 0);  // so the dump names the op
+      const std::string path = dump_flight_record(msg);
+      fail(/*is_timeout=*/true, msg + "; the communicator was aborted. Flight record: " + path,
+           /*caller_in_flight=*/true);
+      throw TimeoutError(describe() + ": " + msg + "; the communicator was aborted. Flight record: " + path);
     }
   }
   throw_nccl_error(result, call, file, line, comm_);
@@ -269,10 +278,13 @@ void Communicator::stop_watchdog() {
 }
 
 void Communicator::release_tracked() {
+  // NOTE: abort() and destroy() (or two abort()s) may run at once on two threads, both after the
+  // watchdog's join: each takes the lists under mutex_, so one gets the ops and the other none.
+  // No NCCL or CUDA call is made under the lock.
   std::vector<TrackedOp> ops;
-  ops.swap(watch_list_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    ops = std::exchange(watch_list_, {});
     for (auto& op : new_ops_) ops.push_back(std::move(op));
     new_ops_.clear();
   }
@@ -373,8 +385,14 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, std::optio
   if (new_comm == nullptr) return nullptr;
   int new_size = 0;
   int new_rank = 0;
-  PYNCCL_CHECK_NCCL(ncclCommCount(new_comm, &new_size));
-  PYNCCL_CHECK_NCCL(ncclCommUserRank(new_comm, &new_rank));
+  try {
+    PYNCCL_CHECK_NCCL(ncclCommCount(new_comm, &new_size));
+    PYNCCL_CHECK_NCCL(ncclCommUserRank(new_comm, &new_rank));
+  } catch (...) {
+    (void)ncclCommAbort(new_comm);  // nothing owns the child yet: do not leak it
+    throw;
+  }
+  // NOTE: from here the child Communicator owns new_comm; its constructor aborts it if start() throws.
   return std::make_shared<Communicator>(PrivateTag{}, new_comm, new_size, new_rank, device_, std::move(child));
 }
 

@@ -67,6 +67,8 @@ struct TrackedOp {
 
 enum class CommState : int { kOk = 0, kAborted = 1, kDestroyed = 2 };
 
+class OpScope;
+
 class Communicator : public std::enable_shared_from_this<Communicator> {
   struct PrivateTag {};
 
@@ -149,15 +151,16 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
       throw_unusable(fn);
   }
   [[noreturn]] void throw_unusable(const char* fn) const;
-  // Turns a non-success result of an NCCL call on comm_ into an exception; ncclInProgress is
-  // polled to completion first (non-blocking comms), bounded by the timeout.
-  void finish_nccl_call(ncclResult_t result, const char* call, const char* file, int line);
+  // Turns a non-success result of an NCCL call of `scope`'s op on comm_ into an exception;
+  // ncclInProgress is polled to completion first (non-blocking comms), bounded by the timeout.
+  // A time-out names the op and its seq as the watchdog does, and dumps the flight record.
+  void finish_nccl_call(ncclResult_t result, const char* call, const char* file, int line, OpScope& scope);
   // Records `message` as this communicator's error (first one wins), stops the watchdog unless
   // called from it, and aborts. Any thread.
   void fail(bool is_timeout, const std::string& message, bool caller_in_flight);
   void abort_nccl(bool caller_in_flight);
   void stop_watchdog();
-  void release_tracked();  // after the watchdog stopped: drop what it was watching
+  void release_tracked();  // after the watchdog stopped: drop what it was watching (any thread, mutex_ inside)
   void drain_graveyard();
   std::string describe() const;  // "communicator 'name' (rank r of n, cuda:d)"
 
@@ -200,7 +203,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   bool stop_watchdog_ = false;  // mutex_
   std::thread watchdog_;
   std::atomic<std::thread::id> watchdog_id_{};  // set by the watchdog itself: "am I the watchdog?"
-  std::vector<TrackedOp> watch_list_;  // the watchdog's own; touched by others only after join
+  // The watchdog's own while it runs (read there without a lock); after the join, taken by
+  // release_tracked() under mutex_, since abort() and destroy() may run at once on two threads.
+  std::vector<TrackedOp> watch_list_;
   std::chrono::milliseconds watchdog_poll_{100};
 
   at::Tensor barrier_buffer_;
@@ -224,8 +229,16 @@ class OpScope {
   }
   // Records the end event, the flight entry and the watchdog hand-off; the Work if async.
   std::shared_ptr<Work> finish();
+  // A non-success result of one of this op's NCCL calls (PYNCCL_CHECK_NCCL_OP): waits out
+  // ncclInProgress (bounded) or throws.
+  void check_nccl(ncclResult_t result, const char* call, const char* file, int line) {
+    owner_.finish_nccl_call(result, call, file, line, *this);
+  }
 
  private:
+  friend class Communicator;  // finish_nccl_call marks a timed-out op
+
+  void record_entry(OpState state, int64_t enqueue_us);  // the op's flight entry; takes owner_.mutex_
   Communicator& owner_;
   c10::cuda::CUDAGuard guard_;
   const char* op_;
@@ -236,6 +249,7 @@ class OpScope {
   bool tracked_ = false;    // the watchdog will see this op (async, or track_sync_ops)
   bool capturing_ = false;  // the caller's stream is capturing a CUDA graph
   bool finished_ = false;
+  OpState unfinished_state_ = OpState::kFailed;  // the flight entry's state if finish() is never reached
   uint64_t seq_ = 0;
   std::chrono::steady_clock::time_point enqueued_;
   std::optional<c10::cuda::CUDAStream> stream_;
@@ -244,10 +258,11 @@ class OpScope {
 
 }  // namespace pynccl
 
-// For NCCL calls on a communicator inside its member functions: handles ncclInProgress.
-#define PYNCCL_CHECK_NCCL_COMM(self, call)                                               \
+// For the NCCL calls of one op (its OpScope `scope`) on the communicator: handles ncclInProgress,
+// and errors name the op and its seq.
+#define PYNCCL_CHECK_NCCL_OP(scope, call)                                                \
   do {                                                                                   \
     ncclResult_t pynccl_result_ = (call);                                                \
     if (__builtin_expect(pynccl_result_ != ncclSuccess, 0))                              \
-      (self).finish_nccl_call(pynccl_result_, #call, __FILE__, __LINE__);                \
+      (scope).check_nccl(pynccl_result_, #call, __FILE__, __LINE__);                     \
   } while (0)

@@ -73,12 +73,17 @@ std::shared_ptr<Work> OpScope::finish() {
   return std::make_shared<Work>(owner_.shared_from_this(), std::move(work));
 }
 
+void OpScope::record_entry(OpState state, int64_t enqueue_us) {
+  std::lock_guard<std::mutex> lock(owner_.mutex_);
+  owner_.ring_[seq_ % owner_.ring_.size()] = FlightEntry{seq_, op_, dtype_, count_, peer_, async_op_, enqueue_us, state};
+}
+
 OpScope::~OpScope() {
   if (!finished_) {
-    // The op threw after it got a sequence number: leave a trace of it in the flight record.
+    // The op threw after it got a sequence number: leave a trace of it in the flight record
+    // (failed, or timed_out when one of its calls stayed in progress past the timeout).
     try {
-      std::lock_guard<std::mutex> lock(owner_.mutex_);
-      owner_.ring_[seq_ % owner_.ring_.size()] = FlightEntry{seq_, op_, dtype_, count_, peer_, async_op_, 0, OpState::kFailed};
+      record_entry(unfinished_state_, 0);
     } catch (...) {
     }
   }

@@ -52,7 +52,7 @@ std::shared_ptr<Work> Communicator::send(const at::Tensor& tensor, int peer, boo
   PYNCCL_CHECK_VALUE(peer != rank_, "send: peer ", peer, " is this rank; a send to yourself needs its recv in the same "
                     "batch_isend_irecv");
   OpScope scope(*this, "send", t.dtype, t.numel, peer, async_op);
-  PYNCCL_CHECK_NCCL_COMM(*this, ncclSend(t.ptr, t.count, t.type, peer, comm_, scope.stream()));
+  PYNCCL_CHECK_NCCL_OP(scope, ncclSend(t.ptr, t.count, t.type, peer, comm_, scope.stream()));
   scope.keep_alive(tensor);
   return scope.finish();
 }
@@ -63,7 +63,7 @@ std::shared_ptr<Work> Communicator::recv(const at::Tensor& tensor, int peer, boo
   PYNCCL_CHECK_VALUE(peer != rank_, "recv: peer ", peer, " is this rank; a recv from yourself needs its send in the "
                     "same batch_isend_irecv");
   OpScope scope(*this, "recv", t.dtype, t.numel, peer, async_op);
-  PYNCCL_CHECK_NCCL_COMM(*this, ncclRecv(t.ptr, t.count, t.type, peer, comm_, scope.stream()));
+  PYNCCL_CHECK_NCCL_OP(scope, ncclRecv(t.ptr, t.count, t.type, peer, comm_, scope.stream()));
   scope.keep_alive(tensor);
   return scope.finish();
 }
@@ -86,12 +86,12 @@ std::shared_ptr<Work> Communicator::batch_isend_irecv(const std::vector<std::tup
     for (size_t i = 0; i < ops.size(); ++i) {
       const int peer = static_cast<int>(std::get<2>(ops[i]));
       if (std::get<0>(ops[i])) {
-        PYNCCL_CHECK_NCCL_COMM(*this, ncclSend(args[i].ptr, args[i].count, args[i].type, peer, comm_, scope.stream()));
+        PYNCCL_CHECK_NCCL_OP(scope, ncclSend(args[i].ptr, args[i].count, args[i].type, peer, comm_, scope.stream()));
       } else {
-        PYNCCL_CHECK_NCCL_COMM(*this, ncclRecv(args[i].ptr, args[i].count, args[i].type, peer, comm_, scope.stream()));
+        PYNCCL_CHECK_NCCL_OP(scope, ncclRecv(args[i].ptr, args[i].count, args[i].type, peer, comm_, scope.stream()));
       }
     }
-    PYNCCL_CHECK_NCCL_COMM(*this, group.end());
+    PYNCCL_CHECK_NCCL_OP(scope, group.end());
   }
   for (const auto& op : ops) scope.keep_alive(std::get<1>(op));
   return scope.finish();
@@ -119,10 +119,10 @@ std::shared_ptr<Work> Communicator::all_to_all(const std::vector<at::Tensor>& ou
     // NOTE: sizes may differ per peer (inputs[r] on this rank must match outputs[rank] on r).
     NcclGroup group;
     for (int r = 0; r < world_size_; ++r) {
-      PYNCCL_CHECK_NCCL_COMM(*this, ncclSend(ins[r].ptr, ins[r].count, ins[r].type, r, comm_, scope.stream()));
-      PYNCCL_CHECK_NCCL_COMM(*this, ncclRecv(outs[r].ptr, outs[r].count, outs[r].type, r, comm_, scope.stream()));
+      PYNCCL_CHECK_NCCL_OP(scope, ncclSend(ins[r].ptr, ins[r].count, ins[r].type, r, comm_, scope.stream()));
+      PYNCCL_CHECK_NCCL_OP(scope, ncclRecv(outs[r].ptr, outs[r].count, outs[r].type, r, comm_, scope.stream()));
     }
-    PYNCCL_CHECK_NCCL_COMM(*this, group.end());
+    PYNCCL_CHECK_NCCL_OP(scope, group.end());
   }
   for (const auto& t : inputs) scope.keep_alive(t);
   for (const auto& t : outputs) scope.keep_alive(t);
@@ -157,7 +157,7 @@ std::shared_ptr<Work> Communicator::all_to_all_single(const at::Tensor& output, 
     // NOTE: every rank passed no splits, so every rank takes this path.
     // ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
     //                           ncclComm_t comm, cudaStream_t stream);
-    PYNCCL_CHECK_NCCL_COMM(*this, native(in.ptr, out.ptr, row_count * in_splits[0], in.type, comm_, scope.stream()));
+    PYNCCL_CHECK_NCCL_OP(scope, native(in.ptr, out.ptr, row_count * in_splits[0], in.type, comm_, scope.stream()));
   } else {
     NcclGroup group;
     size_t in_offset = 0;
@@ -165,12 +165,12 @@ std::shared_ptr<Work> Communicator::all_to_all_single(const at::Tensor& output, 
     for (int r = 0; r < world_size_; ++r) {
       const char* send_ptr = static_cast<const char*>(in.ptr) + in_offset * row_bytes;
       char* recv_ptr = static_cast<char*>(out.ptr) + out_offset * row_bytes;
-      PYNCCL_CHECK_NCCL_COMM(*this, ncclSend(send_ptr, row_count * in_splits[r], in.type, r, comm_, scope.stream()));
-      PYNCCL_CHECK_NCCL_COMM(*this, ncclRecv(recv_ptr, row_count * out_splits[r], in.type, r, comm_, scope.stream()));
+      PYNCCL_CHECK_NCCL_OP(scope, ncclSend(send_ptr, row_count * in_splits[r], in.type, r, comm_, scope.stream()));
+      PYNCCL_CHECK_NCCL_OP(scope, ncclRecv(recv_ptr, row_count * out_splits[r], in.type, r, comm_, scope.stream()));
       in_offset += in_splits[r];
       out_offset += out_splits[r];
     }
-    PYNCCL_CHECK_NCCL_COMM(*this, group.end());
+    PYNCCL_CHECK_NCCL_OP(scope, group.end());
   }
   scope.keep_alive(input);
   scope.keep_alive(output);
@@ -205,7 +205,7 @@ std::shared_ptr<Work> Communicator::gather(const at::Tensor& input, const std::v
     }
     // ncclResult_t ncclGather(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
     //                         int root, ncclComm_t comm, cudaStream_t stream);
-    PYNCCL_CHECK_NCCL_COMM(*this, native(in.ptr, recv_ptr, in.count, in.type, root, comm_, scope.stream()));
+    PYNCCL_CHECK_NCCL_OP(scope, native(in.ptr, recv_ptr, in.count, in.type, root, comm_, scope.stream()));
     if (staging.defined()) {
       for (int r = 0; r < world_size_; ++r) {
         PYNCCL_CHECK_CUDA(cudaMemcpyAsync(outs[r].ptr, static_cast<char*>(recv_ptr) + r * in.num_bytes, in.num_bytes,
@@ -216,11 +216,11 @@ std::shared_ptr<Work> Communicator::gather(const at::Tensor& input, const std::v
     NcclGroup group;
     if (is_root) {
       for (int r = 0; r < world_size_; ++r) {
-        PYNCCL_CHECK_NCCL_COMM(*this, ncclRecv(outs[r].ptr, outs[r].count, in.type, r, comm_, scope.stream()));
+        PYNCCL_CHECK_NCCL_OP(scope, ncclRecv(outs[r].ptr, outs[r].count, in.type, r, comm_, scope.stream()));
       }
     }
-    PYNCCL_CHECK_NCCL_COMM(*this, ncclSend(in.ptr, in.count, in.type, root, comm_, scope.stream()));
-    PYNCCL_CHECK_NCCL_COMM(*this, group.end());
+    PYNCCL_CHECK_NCCL_OP(scope, ncclSend(in.ptr, in.count, in.type, root, comm_, scope.stream()));
+    PYNCCL_CHECK_NCCL_OP(scope, group.end());
   }
   scope.keep_alive(input);
   for (const auto& t : gather_list) scope.keep_alive(t);
@@ -258,16 +258,16 @@ std::shared_ptr<Work> Communicator::scatter(const at::Tensor& output, const std:
     }
     // ncclResult_t ncclScatter(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
     //                          int root, ncclComm_t comm, cudaStream_t stream);
-    PYNCCL_CHECK_NCCL_COMM(*this, native(send_ptr, out.ptr, out.count, out.type, root, comm_, scope.stream()));
+    PYNCCL_CHECK_NCCL_OP(scope, native(send_ptr, out.ptr, out.count, out.type, root, comm_, scope.stream()));
   } else {
     NcclGroup group;
     if (is_root) {
       for (int r = 0; r < world_size_; ++r) {
-        PYNCCL_CHECK_NCCL_COMM(*this, ncclSend(ins[r].ptr, ins[r].count, out.type, r, comm_, scope.stream()));
+        PYNCCL_CHECK_NCCL_OP(scope, ncclSend(ins[r].ptr, ins[r].count, out.type, r, comm_, scope.stream()));
       }
     }
-    PYNCCL_CHECK_NCCL_COMM(*this, ncclRecv(out.ptr, out.count, out.type, root, comm_, scope.stream()));
-    PYNCCL_CHECK_NCCL_COMM(*this, group.end());
+    PYNCCL_CHECK_NCCL_OP(scope, ncclRecv(out.ptr, out.count, out.type, root, comm_, scope.stream()));
+    PYNCCL_CHECK_NCCL_OP(scope, group.end());
   }
   scope.keep_alive(output);
   for (const auto& t : scatter_list) scope.keep_alive(t);

@@ -122,8 +122,11 @@ bool Work::synchronize(std::optional<double> timeout_s) {
   }
   // NOTE: an aborted communicator's kernels exit and its events complete: that is no success.
   throw_if_comm_failed();
-  state_->tensors.clear();
+  // NOTE: the tensors are not released here: this runs without the GIL (bindings.cpp), and
+  // WorkState::tensors is only touched with it held. The binding calls release_tensors() next.
   return true;
 }
+
+void Work::release_tensors() { state_->tensors.clear(); }
 
 }  // namespace pynccl
