@@ -16,8 +16,11 @@ Precision: bf16 compute and bf16 reduce (the paper's fp16 parameters and gradien
 master shards and AdamW moments. With --device cuda, torch.cuda.max_memory_allocated over the
 same step is printed too (it adds activations and temporaries; the batch is kept tiny).
 
-"named" is the bound, computed from the shard layouts, of what the implementation holds on
-top of the formula (each item is listed); "ratio" = measured / (formula + named).
+"expected" is the peak replayed from the shard layouts, allocation by allocation, in the order
+the implementation allocates and frees (expected_peak); "named" = expected - formula, listed by
+role (fp32 gradient shards, reduce-scatter buffers, gathered units, padding); "ratio" =
+measured / (formula + named). On CUDA the same is done for max_memory_allocated, with the
+activations and backward temporaries of the unwrapped bf16 model (same batch) named too.
 """
 import argparse
 import datetime
@@ -75,31 +78,116 @@ def make_model(args, device):
     return net, lambda m: m(x)
 
 
-# ----------------------------------------------------------------------------- bounds
-def named_buffers(stage, units, n):
-    """{item: bytes}: what this implementation holds beyond the paper's formula, bounded from
-    the layouts. c = bytes of a bf16 element (compute and reduce dtype), units in order."""
-    c = 2
-    numel = sum(u.layout.numel for u in units)
-    padded = sum(u.layout.padded_numel for u in units)
-    shard = sum(u.layout.shard_numel for u in units)
-    per_unit = sorted(((u.layout.padded_numel, u.layout.shard_numel) for u in units), reverse=True)
-    top = lambda k, f: sum(f(p, s) for p, s in per_unit[:k])  # noqa: E731
-    items = {"padding to equal shards": c * (padded - numel) * (stage < 3) + 12 * shard - 12 * numel / n}
-    if stage == 1:
-        items[f"{MAX_IN_FLIGHT} reduce-scatter buckets in flight"] = top(MAX_IN_FLIGHT, lambda p, s: c * (p + s))
-        items["fp32 grad shards beyond the bf16 full grads"] = max(0.0, 4 * shard - c * numel)
-    elif stage == 2:
-        items[f"{MAX_IN_FLIGHT} reduce-scatter buckets in flight"] = top(MAX_IN_FLIGHT, lambda p, s: c * (p + s))
-        items["grads of the bucket being filled"] = top(1, lambda p, s: c * p)
-        items["fp32 grad shard (paper: bf16)"] = 4 * shard - c * numel / n
+# ----------------------------------------------------------------------------- expected
+ROLES = ["params_full", "params_shard", "grads_unreduced", "grads_in_flight", "grads_shard", "optim"]
+
+
+class _Timeline:
+    """Bytes held per role, replayed allocation by allocation; keeps the largest total seen."""
+
+    def __init__(self, **held):
+        self.held = dict.fromkeys(ROLES, 0)
+        self.held.update(held)
+        self.peak = dict(self.held)
+
+    def add(self, role, nbytes):
+        self.held[role] += nbytes
+        if nbytes > 0 and sum(self.held.values()) > sum(self.peak.values()):
+            self.peak = dict(self.held)
+
+
+def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce=2, master=4, optim_per_elem=8):
+    """{role: bytes} at the largest point of one training step, replayed from the shard layouts
+    in the order the implementation allocates and frees (pynccl/zero/stage12.py, stage3.py,
+    flat_unit.py): what the implementation is built to hold, to set against the measurement.
+
+    units: the wrapper's units (stage 1/2: in reduce order, = backward order); stage 3: `root`,
+    the root unit's index (None if there is none) and `forward_order`, the other units' indices
+    as forward runs them. Element sizes in bytes: compute and reduce dtypes (bf16), master dtype
+    and optimizer state per element (AdamW: two fp32 moments)."""
+    P = [u.layout.padded_numel for u in units]
+    S = [u.layout.shard_numel for u in units]
+    numel = [u.layout.numel for u in units]
+    tl = _Timeline(params_shard=master * sum(S), optim=optim_per_elem * sum(S))
+    in_flight = []                                    # (unit, input bytes, output bytes), oldest first
+
+    def launch(i, grad_bytes, inp_is_grad):
+        """reduce_grad, then the wrapper drops the gradient: an input buffer in the reduce dtype
+        (stage 3 with compute == reduce hands over the flat gradient itself) and the output shard."""
+        inp = grad_bytes if inp_is_grad else reduce * P[i]
+        if not inp_is_grad:
+            tl.add("grads_in_flight", inp)
+        tl.add("grads_in_flight", reduce * S[i])
+        tl.add("grads_unreduced", -grad_bytes)
+        if inp_is_grad:
+            tl.add("grads_in_flight", inp)
+        in_flight.append((i, inp, reduce * S[i]))
+        while len(in_flight) > MAX_IN_FLIGHT:
+            finish()
+
+    def finish():
+        """finish_reduce: the input buffer goes once the reduce-scatter is done; the shard
+        gradient in the master dtype (a cast allocates it, else the output becomes it); the
+        output goes."""
+        j, inp, out = in_flight.pop(0)
+        tl.add("grads_in_flight", -inp)
+        if reduce != master:
+            tl.add("grads_shard", master * S[j])
+            tl.add("grads_in_flight", -out)
+        else:
+            tl.add("grads_in_flight", -out)
+            tl.add("grads_shard", out)
+
+    if stage in (1, 2):
+        tl.add("params_full", compute * sum(P))
+        for i in range(len(units)):                   # backward: the bucket's gradients appear
+            tl.add("grads_unreduced", compute * numel[i])
+            if stage == 2:
+                launch(i, compute * numel[i], inp_is_grad=False)
+        if stage == 1:                                # reduced after backward, bucket by bucket
+            for i in range(len(units)):
+                launch(i, compute * numel[i], inp_is_grad=False)
     else:
-        root = units[0].layout.padded_numel          # the root unit comes first when it exists
-        items["gathered: root + current + prefetched unit"] = c * root + top(2, lambda p, s: c * p)
-        items["unit grads: accumulating + in flight"] = top(1 + MAX_IN_FLIGHT, lambda p, s: c * (p + s))
-        items["fp32 grad shard (paper: bf16)"] = 4 * shard - c * numel / n
-        items["no bf16 param shard kept (paper keeps one)"] = -c * numel / n
-    return items
+        order = list(forward_order)
+        if root is not None:
+            tl.add("params_full", compute * P[root])
+        for k, i in enumerate(order):                 # forward: current unit + the prefetched next
+            if k == 0:
+                tl.add("params_full", compute * P[i])
+            if k + 1 < len(order):
+                tl.add("params_full", compute * P[order[k + 1]])
+            if k + 1 < len(order):                    # the last unit stays gathered for backward
+                tl.add("params_full", -compute * P[i])
+        if root is not None:                          # the root's flat gradient, from backward's start
+            tl.add("grads_unreduced", compute * P[root])
+        for k, i in enumerate(reversed(order)):
+            prev = order[len(order) - 2 - k] if k + 1 < len(order) else None
+            if prev is not None:
+                tl.add("params_full", compute * P[prev])      # prefetched for its backward
+            tl.add("grads_unreduced", compute * P[i])
+            launch(i, compute * P[i], inp_is_grad=compute == reduce)
+            tl.add("params_full", -compute * P[i])
+        if root is not None:
+            launch(root, compute * P[root], inp_is_grad=compute == reduce)
+            tl.add("params_full", -compute * P[root])
+    while in_flight:
+        finish()
+    return tl.peak
+
+
+def named_items(stage, n, psi, peak):
+    """The expected peak minus the paper's formula, by role: what this implementation holds
+    beyond (or below) the formula, each item named."""
+    f_params, f_grads = (2 * psi, 2 * psi) if stage == 1 else (2 * psi, 2 * psi / n) if stage == 2 else \
+        (2 * psi / n, 2 * psi / n)
+    fp32_master = 4 * psi / n
+    return {
+        "parameters beyond the formula's (stage 3: root + gathered units, no bf16 shard; padding)":
+            peak["params_full"] + peak["params_shard"] - f_params - fp32_master,
+        "gradients beyond the formula's (fp32 shard gradients, reduce-scatter buffers, unreduced grads)":
+            peak["grads_unreduced"] + peak["grads_in_flight"] + peak["grads_shard"] - f_grads,
+        "optimizer state beyond 8 Psi/N (shard padding)": peak["optim"] - 8 * psi / n,
+    }
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -128,10 +216,11 @@ class PeakSampler:
         leaves = [u.full for u in rt.units] if self.model.stage == 3 else [t for ls in rt.unit_leaves for t in ls]
         for t in leaves:                              # registered after the wrapper's: sampled after them
             self.handles.append(t.register_post_accumulate_grad_hook(lambda p: self.sample()))
-        for u in rt.units:
-            for name in ("reduce_grad", "finish_reduce", "gather", "wait_gather"):
-                real = getattr(u, name)
-                setattr(u, name, lambda *a, _real=real: (_real(*a), self.sample())[0])
+        for obj, names in [(u, ("finish_reduce", "gather", "wait_gather")) for u in rt.units] + [
+                (rt.in_flight, ("append", "trim"))]:
+            for name in names:
+                real = getattr(obj, name)
+                setattr(obj, name, lambda *a, _real=real: (_real(*a), self.sample())[0])
 
 
 def measure(stage, args, device):
@@ -156,8 +245,12 @@ def measure(stage, args, device):
     sampler.sample()
     opt.step()
     sampler.sample()
-    result = dict(stage=stage, num_params=num_params, peak=sampler.peak,
-                  named=named_buffers(stage, model.units, model.process_group.world_size))
+    rt = model._runtime
+    expected = expected_peak(stage, model.units, root=rt.root.index if stage == 3 and rt.root is not None else None,
+                             forward_order=[u.index for u in rt.forward_order] if stage == 3 else None)
+    n = model.process_group.world_size
+    result = dict(stage=stage, num_params=num_params, peak=sampler.peak, expected=expected,
+                  named=named_items(stage, n, num_params, expected))
     if cuda:
         torch.cuda.synchronize()
         result["cuda_max_allocated"] = torch.cuda.max_memory_allocated() - base
@@ -166,16 +259,40 @@ def measure(stage, args, device):
     return result
 
 
+def measure_unwrapped(args, device):
+    """Activations and backward temporaries of one step of the model in bf16, unwrapped (CUDA):
+    the peak allocated beyond its parameters and gradients. ZeRO adds the same on top of
+    model states, so it is named in the GPU comparison."""
+    base = torch.cuda.memory_allocated()
+    net, loss_fn = make_model(args, device)
+    net.to(torch.bfloat16)
+    loss_fn(net).backward()                           # warm-up (cuBLAS workspaces, etc.)
+    net.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss_fn(net).backward()
+    torch.cuda.synchronize()
+    grads = sum(p.grad.untyped_storage().nbytes() for p in net.parameters() if p.grad is not None)
+    transient = torch.cuda.max_memory_allocated() - before - grads
+    del net, loss_fn
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() <= base + 2**20, "measure_unwrapped leaked memory"
+    return transient
+
+
 def worker(rank, world_size, args):
     device = pynccl.get_device()
+    out = []
+    transient = None
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    out = []
+        transient = measure_unwrapped(args, device)
     for stage in (1, 2, 3):
         out.append(measure(stage, args, device))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return dict(rank=rank, world_size=world_size, results=out)
+    return dict(rank=rank, world_size=world_size, results=out, activations=transient)
 
 
 # ----------------------------------------------------------------------------- report
@@ -191,34 +308,44 @@ def rows(per_rank):
 
 def print_report(per_rank, device_name, show_items=True):
     mib = 1 / 2 ** 20
+    cuda = any("cuda_max_allocated" in res for r in per_rank for res in r["results"])
     print(f"# ZeRO model-state memory per rank, {device_name}; bf16 compute/reduce, fp32 master + AdamW; MiB")
+    print("# measured: peak of model-state storages; expected: replayed from the layouts (expected_peak); "
+          "named = expected - formula; ratio = measured / (formula + named)")
     print(f"{'N':>2} {'stage':>5} {'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'measured':>9} "
-          f"{'x Psi':>6} {'formula':>9} {'named':>8} {'ratio':>6}" + (f" {'cuda max':>9}" if any(
-              "cuda_max_allocated" in res for r in per_rank for res in r["results"]) else ""))
+          f"{'x Psi':>6} {'formula':>9} {'named':>8} {'ratio':>6}")
     for r, n, res, psi, formula, named in rows(per_rank):
         p = res["peak"]
-        line = (f"{n:>2} {res['stage']:>5} {r['rank']:>4} {p['params'] * mib:>9.2f} {p['grads'] * mib:>9.2f} "
-                f"{p['optim'] * mib:>9.2f} {p['total'] * mib:>9.2f} {p['total'] / psi:>6.2f} {formula * mib:>9.2f} "
-                f"{named * mib:>8.2f} {p['total'] / (formula + named):>6.3f}")
-        if "cuda_max_allocated" in res:
-            line += f" {res['cuda_max_allocated'] * mib:>9.2f}"
-        print(line)
-    roles = ["params_full", "params_shard", "grads_unreduced", "grads_in_flight", "grads_shard"]
-    print("\n# what is held at the peak, by role (MiB): full = compute-dtype parameters (stage 3: gathered "
-          "units), shard = fp32 masters; grads unreduced / in flight (reduce-scatter buffers) / fp32 shards")
-    print(f"{'N':>2} {'stage':>5} {'rank':>4} " + " ".join(f"{r:>15}" for r in roles) + f" {'optim':>9}")
+        print(f"{n:>2} {res['stage']:>5} {r['rank']:>4} {p['params'] * mib:>9.2f} {p['grads'] * mib:>9.2f} "
+              f"{p['optim'] * mib:>9.2f} {p['total'] * mib:>9.2f} {p['total'] / psi:>6.2f} {formula * mib:>9.2f} "
+              f"{named * mib:>8.2f} {p['total'] / (formula + named):>6.3f}")
+    if cuda:
+        print("\n# torch.cuda.max_memory_allocated over the step: it adds activations and backward temporaries, "
+              "named here as measured on the unwrapped bf16 model with the same batch")
+        print(f"{'N':>2} {'stage':>5} {'rank':>4} {'cuda max':>9} {'formula':>9} {'named':>8} {'activ.':>8} "
+              f"{'ratio':>6}")
+        for r, n, res, psi, formula, named in rows(per_rank):
+            act = r.get("activations") or 0
+            m = res["cuda_max_allocated"]
+            print(f"{n:>2} {res['stage']:>5} {r['rank']:>4} {m * mib:>9.2f} {formula * mib:>9.2f} {named * mib:>8.2f} "
+                  f"{act * mib:>8.2f} {m / (formula + named + act):>6.3f}")
+    print("\n# what is held at the peak, by role (MiB), measured / expected: full = compute-dtype parameters "
+          "(stage 3: gathered units), shard = fp32 masters; grads unreduced / in flight (reduce-scatter buffers) / "
+          "fp32 shards")
+    print(f"{'N':>2} {'stage':>5} {'rank':>4} " + " ".join(f"{r:>17}" for r in ROLES))
     for r, n, res, psi, formula, named in rows(per_rank):
-        d = res["peak"]["detail"]
-        print(f"{n:>2} {res['stage']:>5} {r['rank']:>4} " + " ".join(f"{d[k] * mib:>15.2f}" for k in roles)
-              + f" {res['peak']['optim'] * mib:>9.2f}")
+        d = dict(res["peak"]["detail"], optim=res["peak"]["optim"])
+        e = res["expected"]
+        print(f"{n:>2} {res['stage']:>5} {r['rank']:>4} " + " ".join(
+            f"{f'{d[k] * mib:.2f}/{e[k] * mib:.2f}':>17}" for k in ROLES))
     if show_items:
         seen = set()
-        print("\n# named buffers (MiB), per stage and N")
+        print("\n# named (MiB) = expected - formula, per stage and N")
         for r, n, res, psi, formula, named in rows(per_rank):
             if (n, res["stage"]) in seen:
                 continue
             seen.add((n, res["stage"]))
-            items = ", ".join(f"{k} {v * mib:.2f}" for k, v in res["named"].items() if abs(v) > 0)
+            items = "; ".join(f"{k} {v * mib:+.2f}" for k, v in res["named"].items() if abs(v) >= 2**10)
             print(f"N={n} stage {res['stage']}: {items}")
 
 

@@ -26,6 +26,33 @@ class PendingReduce:
         self.unit, self.work, self.out, self.inp = unit, work, out, inp
 
 
+class ReduceQueue:
+    """Gradient reduce-scatters in flight, oldest first, at most `limit` at a time once trimmed:
+    trim() finishes the oldest ones (their buffers are freed), so a rank never holds more than
+    `limit` reduce buffers besides its shards, plus the one just started."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.pending: List[PendingReduce] = []
+
+    def append(self, pending: PendingReduce) -> None:
+        self.pending.append(pending)
+
+    def trim(self) -> None:
+        while len(self.pending) > self.limit:
+            p = self.pending.pop(0)
+            p.unit.finish_reduce(p)
+
+    def drain(self) -> None:
+        while self.pending:
+            p = self.pending.pop(0)
+            p.unit.finish_reduce(p)
+
+    def buffers(self) -> List[torch.Tensor]:
+        """The input and output buffers in flight (for memory accounting)."""
+        return [t for p in self.pending for t in (p.inp, p.out)]
+
+
 class ShardedUnit:
     """Master shard + full compute buffer of one flat layout, and the collectives on them.
 
@@ -153,6 +180,8 @@ class ShardedUnit:
     def finish_reduce(self, pending: PendingReduce) -> None:
         """Wait for `pending` and add its result to shard.grad (in the master dtype)."""
         pending.work.wait()
+        # The input is spent once the reduce-scatter is done: free it before the cast allocates.
+        pending.inp = None
         with torch.no_grad():
             g = pending.out if pending.out.dtype == self.master_dtype else pending.out.to(self.master_dtype)
             if self.shard.grad is None:

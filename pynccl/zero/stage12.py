@@ -20,7 +20,7 @@ from typing import List
 import torch
 
 from ..grad_buckets import DEFAULT_FIRST_BUCKET_BYTES, GradBucketer
-from .flat_unit import PendingReduce, ShardedUnit
+from .flat_unit import ReduceQueue, ShardedUnit
 from .layout import FlatLayout
 from .params import ParamInfo, install
 
@@ -64,7 +64,7 @@ class ReplicatedParamsRuntime:
             self.units.append(unit)
             self.unit_leaves.append(unit_leaves)
         self.bucketer.register_hooks()
-        self.pending: List[PendingReduce] = []
+        self.in_flight = ReduceQueue(MAX_IN_FLIGHT)
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, sync_grads: bool) -> None:
@@ -107,22 +107,18 @@ class ReplicatedParamsRuntime:
 
     def _launch(self, unit_idx: int) -> None:
         leaves = self.unit_leaves[unit_idx]
-        self.pending.append(self.units[unit_idx].reduce_grad([leaf.grad for leaf in leaves]))
+        self.in_flight.append(self.units[unit_idx].reduce_grad([leaf.grad for leaf in leaves]))
         for leaf in leaves:
             leaf.grad = None                            # only the shard and in-flight buckets stay
-        while len(self.pending) > MAX_IN_FLIGHT:
-            p = self.pending.pop(0)
-            p.unit.finish_reduce(p)
+        self.in_flight.trim()
 
     def drain(self) -> None:
-        while self.pending:
-            p = self.pending.pop(0)
-            p.unit.finish_reduce(p)
+        self.in_flight.drain()
 
     # ------------------------------------------------------------------ introspection
     def held_tensors(self) -> dict:
         """Tensors this runtime holds, by role (for memory accounting)."""
         return {"params_full": [u.full for u in self.units], "params_shard": [u.shard for u in self.units],
                 "grads_unreduced": [leaf.grad for ls in self.unit_leaves for leaf in ls],
-                "grads_in_flight": [t for p in self.pending for t in (p.inp, p.out)],
+                "grads_in_flight": self.in_flight.buffers(),
                 "grads_shard": [u.shard.grad for u in self.units]}

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from .flat_unit import PendingReduce, ShardedUnit
+from .flat_unit import ReduceQueue, ShardedUnit
 from .layout import FlatLayout
 from .params import ParamInfo, install
 from .stage12 import MAX_IN_FLIGHT
@@ -75,7 +75,7 @@ class ShardedParamsRuntime:
         self._recording = True
         self._end_queued = False
         self.sync_grads = True
-        self.pending: List[PendingReduce] = []
+        self.in_flight = ReduceQueue(MAX_IN_FLIGHT)
 
     # ------------------------------------------------------------------ gather / free
     def _install_placeholders(self, unit: ShardedUnit) -> None:
@@ -173,10 +173,9 @@ class ShardedParamsRuntime:
         self._queue_end()
         if self.sync_grads:
             grad, unit.full.grad = unit.full.grad, None
-            self.pending.append(unit.reduce_grad([grad]))
-            while len(self.pending) > MAX_IN_FLIGHT:
-                p = self.pending.pop(0)
-                p.unit.finish_reduce(p)
+            self.in_flight.append(unit.reduce_grad([grad]))
+            del grad                                   # the reduce's input holds it now
+            self.in_flight.trim()
         self._free(unit)
 
     def _end_of_backward(self) -> None:
@@ -187,9 +186,7 @@ class ShardedParamsRuntime:
                 self._free(u)
 
     def drain(self) -> None:
-        while self.pending:
-            p = self.pending.pop(0)
-            p.unit.finish_reduce(p)
+        self.in_flight.drain()
 
     # ------------------------------------------------------------------ saved tensors
     def pack(self, t: torch.Tensor):
@@ -211,5 +208,5 @@ class ShardedParamsRuntime:
         """Tensors this runtime holds, by role (for memory accounting)."""
         return {"params_full": [u.full for u in self.units], "params_shard": [u.shard for u in self.units],
                 "grads_unreduced": [u.full.grad for u in self.units],
-                "grads_in_flight": [t for p in self.pending for t in (p.inp, p.out)],
+                "grads_in_flight": self.in_flight.buffers(),
                 "grads_shard": [u.shard.grad for u in self.units]}
