@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as tdist
@@ -70,13 +71,17 @@ class GPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------- timing
-def _events_ms(fn, iters):
-    """Median/min/max ms of fn() over `iters` runs, timed with CUDA events."""
+def _events_ms(fn, iters, host=None):
+    """ms of fn() for each of `iters` back-to-back runs, timed with CUDA events. If `host` is a
+    list, the host time each call took to return (launch time; no sync) is appended to it."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for s, e in zip(starts, ends):
         s.record()
+        t0 = time.perf_counter()
         fn()
+        if host is not None:
+            host.append(1e3 * (time.perf_counter() - t0))
         e.record()
     torch.cuda.synchronize()
     times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
@@ -226,6 +231,69 @@ def pack_vs_copy(ddp, iters):
     return out, per_bucket
 
 
+def _kernel_timeline(trace_path):
+    """(kernels, memcpy/memset) of a chrome trace as (start_us, end_us, stream, name), by start."""
+    import gzip
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    out = []
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            out.append((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("stream"), e["name"]))
+    out.sort()
+    return out
+
+
+def _gap_summary(kernels, steps):
+    """GPU time of the profiled steps: span, time the GPU ran no kernel at all, and the largest
+    such gaps (what ran after each), all per step."""
+    if not kernels:
+        return {}
+    span = kernels[-1][1] - kernels[0][0]
+    idle, gaps, end = 0.0, [], kernels[0][1]
+    for start, stop, stream, name in kernels[1:]:
+        if start > end:
+            idle += start - end
+            gaps.append((start - end, name[:60]))
+        end = max(end, stop)
+    gaps.sort(reverse=True)
+    streams = {}
+    for start, stop, stream, _ in kernels:
+        streams[stream] = streams.get(stream, 0.0) + (stop - start)
+    return dict(span_ms=span / 1e3 / steps, gpu_idle_ms=idle / 1e3 / steps,
+                busy_ms_per_stream={str(k): v / 1e3 / steps for k, v in streams.items()},
+                top_gaps_us=[(round(g, 1), n) for g, n in gaps[:8]])
+
+
+def profile_steps(trainers, outdir, rank, steps=3):
+    """torch.profiler over `steps` eager steps of each eager mode: where the GPU sat idle. Writes
+    <outdir>/trace_<mode>.json.gz (rank 0) and returns {mode: summary}."""
+    import gzip
+    import shutil
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(outdir, exist_ok=True)
+    out = {}
+    for m, tr in trainers.items():
+        if "graph" in m:
+            continue
+        tr.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                tr.step()
+            torch.cuda.synchronize()
+        slug = m.replace(" ", "_").replace("[", "").replace("]", "")
+        path = os.path.join(outdir, f"trace_{slug}_rank{rank}.json")
+        prof.export_chrome_trace(path)
+        out[m] = _gap_summary(_kernel_timeline(path), steps)
+        if rank == 0:
+            with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+                shutil.copyfileobj(f, g)
+        os.remove(path)
+    return out
+
+
 # ----------------------------------------------------------------------------- driver
 MODES = ["no DDP", "torch DDP", "pynccl DDP", "no DDP + graph", "pynccl DDP + graph"]
 DDP_MODES = ["torch DDP", "pynccl DDP", "pynccl DDP + graph"]   # run once per gradient_as_bucket_view setting
@@ -267,14 +335,17 @@ def worker(rank, world_size, args):
             tr.step()
     torch.cuda.synchronize()
     times = {m: [] for m in trainers}
+    host = {m: [] for m in trainers}
     for _ in range(args.repeats):                       # interleaved, so drift hits every mode alike
         for m, tr in trainers.items():
-            times[m].extend(_events_ms(tr.step, args.steps))
+            times[m].extend(_events_ms(tr.step, args.steps, host[m]))
+    gaps = profile_steps(trainers, args.profile, rank) if args.profile else None
     result = dict(world_size=world_size, device=torch.cuda.get_device_name(device), torch=torch.__version__,
                   nccl=str(pynccl.nccl_version()), precision=args.precision, batch=args.batch, seq=args.seq,
-                  grad_view=settings, modes={})
+                  grad_view=settings, modes={}, gpu_gaps=gaps)
     for m, ts in times.items():
-        result["modes"][m] = dict(median_ms=statistics.median(ts), min_ms=min(ts), max_ms=max(ts), n=len(ts))
+        result["modes"][m] = dict(median_ms=statistics.median(ts), min_ms=min(ts), max_ms=max(ts), n=len(ts),
+                                  host_ms=statistics.median(host[m]))
     eager_name = next((m for m in trainers if m.startswith("pynccl DDP") and "graph" not in m), None)
     if eager_name is not None:
         eager = trainers[eager_name]
@@ -304,11 +375,20 @@ def print_report(r):
         base = modes.get("no DDP + graph" if "+ graph" in m else "no DDP", {}).get("median_ms")
         return (modes[m]["median_ms"] - base, base) if base else (float("nan"), float("nan"))
 
-    print(f"{'mode':<28}{'median ms':>11}{'min':>9}{'max':>9}{'overhead ms':>13}{'overhead %':>12}")
+    print(f"{'mode':<28}{'median ms':>11}{'min':>9}{'max':>9}{'overhead ms':>13}{'overhead %':>12}"
+          f"{'host ms':>9}")
     for m, s in modes.items():
         over, base = overhead(m)
         print(f"{m:<28}{s['median_ms']:>11.2f}{s['min_ms']:>9.2f}{s['max_ms']:>9.2f}{over:>13.3f}"
-              f"{100 * over / base:>11.2f}%")
+              f"{100 * over / base:>11.2f}%{s.get('host_ms', float('nan')):>9.2f}")
+    print("# host ms: median time the step call took to return on the host (kernel launches, no sync); a step is "
+          "host-bound where it approaches the step time")
+    if r.get("gpu_gaps"):
+        print("# profiled eager steps (torch.profiler, rank 0): GPU span per step, time per step no kernel ran, "
+              "largest gaps (us, the kernel after the gap)")
+        for m, g in r["gpu_gaps"].items():
+            if g:
+                print(f"#   {m:<24} span {g['span_ms']:.2f} ms, GPU idle {g['gpu_idle_ms']:.3f} ms; gaps {g['top_gaps_us'][:4]}")
     for v in r["grad_view"]:
         suffix = VIEW if v else ""
         if "torch DDP" + suffix not in modes:
@@ -362,6 +442,8 @@ def main():
     p.add_argument("--skip", nargs="*", default=[], choices=MODES, help="modes to leave out")
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn (one GPU each) when not under torchrun")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--profile", metavar="DIR", help="also profile 3 eager steps of each eager mode: GPU idle time "
+                   "and its largest gaps are reported; chrome traces (rank 0) go to DIR")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ddp_bench: needs CUDA GPUs (pynccl DDP on gloo is exercised by tests/test_ddp.py)")

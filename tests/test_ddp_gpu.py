@@ -87,11 +87,23 @@ def _assert_close(a, b, what, tol=1e-6):
     assert d <= tol, f"{what}: max |diff| {d:.3g} > {tol}"
 
 
+def _max_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a, b))
+
+
 def _against_torch_ddp(rank, ws):
+    """Every case runs, then one assertion lists each case's max |diff| against torch DDP.
+    At world size 1 the results are bitwise the same operations (1e-6). Above it, torch's
+    communicator and ours may sum a bucket's elements in different orders (NCCL picks the
+    algorithm and chunking per call size, and the two DDPs' first buckets differ), so the sums
+    differ in the last bits and AdamW's normalised update can carry that over a few steps:
+    1e-5 there."""
     device = pynccl.get_device()
     # pynccl's torch.distributed default group is gloo; torch DDP gets its own NCCL group.
     torch_pg = tdist.new_group(backend="nccl")
     data = _data(rank, ws, device)
+    tol = 1e-6 if ws == 1 else 1e-5
+    diffs = {}
     for kw, slow in ((dict(), False), (dict(gradient_as_bucket_view=True), False), (dict(), True),
                      (dict(gradient_as_bucket_view=True), True)):
         ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(
@@ -105,7 +117,7 @@ def _against_torch_ddp(rank, ws):
             _step(ours, opt_ours, x, y, set_to_none=not kw)
             _step(theirs, opt_theirs, x, y, set_to_none=not kw)
         torch.cuda.synchronize()
-        _assert_close(_params(ours), _params(theirs), f"nccl {kw} {'with delays ' if slow else ''}vs torch DDP")
+        diffs[f"{kw} {'with delays' if slow else ''}"] = (_max_diff(_params(ours), _params(theirs)), tol)
         assert ours.reducer.rebuilt
 
     ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(m, bucket_cap_mb=BUCKET_MB))
@@ -114,11 +126,15 @@ def _against_torch_ddp(rank, ws):
     for x, y in data:
         _step(ours, opt_ours, x, y)
         _step(ref, opt_ref, x, y)
-    _assert_close(_params(ours), _params(ref), "bf16 hook vs fp32 torch DDP", tol=2e-3)
+    torch.cuda.synchronize()
+    diffs["bf16 hook vs fp32 torch DDP"] = (_max_diff(_params(ours), _params(ref)), 2e-3)
+    bad = {k: v for k, v in diffs.items() if not v[0] <= v[1]}
+    assert not bad, f"rank {rank}/{ws}: max |diff| against torch DDP over tolerance: " + "; ".join(
+        f"{k}: {d:.3g} > {t:g}" for k, (d, t) in bad.items()) + f" (all: {diffs})"
 
     with pytest.raises(ValueError, match="communicates on cuda"):
         pynccl.DistributedDataParallel(Net())                  # a CPU module on an NCCL group
-    return True
+    return diffs
 
 
 def _torch_nccl_first(rank, ws):
@@ -189,7 +205,8 @@ needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2
 @pytest.mark.gpu
 @needs_gpu
 def test_ddp_nccl_one_gpu_equals_torch_ddp():
-    assert run_multiprocess(_against_torch_ddp, 1, backend="nccl", start_method="spawn", timeout=300) == [True]
+    diffs, = run_multiprocess(_against_torch_ddp, 1, backend="nccl", start_method="spawn", timeout=300)
+    print(diffs)
 
 
 @pytest.mark.gpu
@@ -208,7 +225,9 @@ def test_ddp_cuda_graph_step_equals_eager():
 @needs_2_gpus
 def test_ddp_nccl_multi_gpu_equals_torch_ddp():
     n = min(torch.cuda.device_count(), 4)
-    assert run_multiprocess(_against_torch_ddp, n, backend="nccl", start_method="spawn", timeout=300) == [True] * n
+    per_rank = run_multiprocess(_against_torch_ddp, n, backend="nccl", start_method="spawn", timeout=300)
+    print(per_rank)
+    assert len(per_rank) == n
 
 
 @pytest.mark.multigpu
