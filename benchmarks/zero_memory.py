@@ -265,7 +265,7 @@ def measure_unwrapped(args, device):
     model states, so it is named in the GPU comparison."""
     base = torch.cuda.memory_allocated()
     net, loss_fn = make_model(args, device)
-    net.to(torch.bfloat16)
+    net.to(device=device, dtype=torch.bfloat16)
     loss_fn(net).backward()                           # warm-up (cuBLAS workspaces, etc.)
     net.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
