@@ -5,7 +5,8 @@
 # eager_<op>.png, graph*, cputime*, versions.txt. Exits non-zero if any result was wrong or a
 # run failed (the other runs still go ahead).
 #   benchmarks/run_multi_gpu.sh OUTDIR [NGPUS]      (NGPUS: all visible GPUs by default)
-# Knobs (environment): BENCH_MAX (8G), BENCH_CPU_MAX (64M), BENCH_ITERS (20), BENCH_REPS (1).
+# Knobs (environment): BENCH_MAX (8G), BENCH_CPU_MAX (64M), BENCH_ITERS (20), BENCH_WARMUP (5),
+# BENCH_REPS (1), BENCH_SKIP_CPUTIME (set: no -C run).
 # Where a scheduler starts the ranks, use torchrun instead, e.g.
 #   torchrun --nproc-per-node 8 -m pynccl.bench all -b 8 -e 8G -f 2 --impl both
 set -uo pipefail
@@ -18,7 +19,7 @@ N=${2:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 mkdir -p "$OUT"
 
-SWEEP=(all -b 8 -f 2 -n "${BENCH_ITERS:-20}" -w 5 --impl both --reps "${BENCH_REPS:-1}")
+SWEEP=(all -b 8 -f 2 -n "${BENCH_ITERS:-20}" -w "${BENCH_WARMUP:-5}" --impl both --reps "${BENCH_REPS:-1}")
 [ "$N" -gt 1 ] && SWEEP+=(--nproc "$N")   # one rank runs in this process
 
 {
@@ -44,7 +45,7 @@ run() {  # run NAME [extra flags...]
 
 run eager -e "${BENCH_MAX:-8G}"
 run graph -e "${BENCH_MAX:-8G}" -G 1
-run cputime -e "${BENCH_CPU_MAX:-64M}" -C 1
+[ -n "${BENCH_SKIP_CPUTIME:-}" ] || run cputime -e "${BENCH_CPU_MAX:-64M}" -C 1
 
 echo
 echo "== summary per op: Avg bus bandwidth of each, time ratio pynccl/torch (geometric mean, worst), 8 B row"

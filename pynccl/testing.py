@@ -13,10 +13,13 @@ torch is already imported), and spawned otherwise.
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
@@ -34,7 +37,12 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, env, backend, init_kwargs, args, kwargs, results):
+def _child(fn, rank, world_size, env, backend, init_kwargs, args, kwargs, results, stack_path=None):
+    if stack_path is not None:
+        # The parent sends SIGUSR1 to a rank that outlives the timeout: every thread's Python
+        # stack goes to this file, so the error says where the rank hung.
+        stack_file = open(stack_path, "w")
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.update(env)
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
@@ -79,8 +87,11 @@ def run_multiprocess(fn: Callable, world_size: int, backend: Optional[str] = "gl
                 "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
     full_env.update(env or {})
     results = ctx.Queue()
+    stack_dir = tempfile.mkdtemp(prefix="pynccl_stacks_")
+    stack_paths = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(world_size)]
     procs = [ctx.Process(target=_child, name=f"rank{r}",
-                         args=(fn, r, world_size, full_env, backend, init_kwargs or {}, args, kwargs or {}, results))
+                         args=(fn, r, world_size, full_env, backend, init_kwargs or {}, args, kwargs or {}, results,
+                               stack_paths[r]))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -105,15 +116,39 @@ def run_multiprocess(fn: Callable, world_size: int, backend: Optional[str] = "gl
         p.join(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
         if p.is_alive():
             hung.append(r)
-            p.kill()
-            p.join(5.0)
+    stacks = {}
+    if hung:
+        for r in hung:
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(1.0)
+        for r in hung:
+            procs[r].kill()
+            procs[r].join(5.0)
+            try:
+                with open(stack_paths[r]) as f:
+                    stacks[r] = f.read().strip()
+            except OSError:
+                stacks[r] = ""
+    for path in stack_paths:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    try:
+        os.rmdir(stack_dir)
+    except OSError:
+        pass
 
     expected_bad = set(expect_failure_ranks or [])
     failures = []
     for r, p in enumerate(procs):
         status, value = outcomes.get(r, (None, None))
         if r in hung:
-            failures.append(f"rank {r}: still running after the {timeout:.0f}s timeout (killed)")
+            where = f"; its stacks then:\n{stacks[r]}" if stacks.get(r) else ""
+            failures.append(f"rank {r}: still running after the {timeout:.0f}s timeout (killed){where}")
         elif status == "error":
             if r not in expected_bad:
                 failures.append(f"rank {r} raised:\n{value}")

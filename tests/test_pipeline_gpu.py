@@ -119,4 +119,4 @@ def test_pipeline_p1_nccl():
 @pytest.mark.multigpu
 @needs_2_gpus
 def test_pipeline_p2_nccl():
-    assert run_multiprocess(_pipeline_on_gpus, 2, backend="nccl", start_method="spawn", timeout=300) == [True, True]
+    assert run_multiprocess(_pipeline_on_gpus, 2, backend="nccl", start_method="spawn", timeout=120) == [True, True]

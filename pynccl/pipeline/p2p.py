@@ -56,11 +56,17 @@ def decode_meta(values: Sequence[int]) -> List[TensorMeta]:
 
 
 def _to_device(values: List[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        # Pinned + non_blocking: a pageable copy would synchronise the stream.
-        return host.pin_memory().to(device, non_blocking=True)
-    return host
+    """The values as an int64 tensor on `device`, written by fill kernels on the current stream.
+    NOTE: no host-to-device copy and no pinned allocation: mid-step (interleaved schedules send
+    shapes after messages are already in flight) a page-locked allocation waits for the device,
+    whose NCCL kernels wait for the peer, which may wait for this rank's next message: a hang.
+    Metadata is a few dozen values, sent once per shape change."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64)
+    out = torch.empty(len(values), dtype=torch.int64, device=device)
+    for i, v in enumerate(values):
+        out[i].fill_(v)
+    return out
 
 
 class PipeTransport:
