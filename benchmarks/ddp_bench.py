@@ -318,7 +318,15 @@ def mode_names(settings, skip):
     return names
 
 
+def _progress(rank, msg):
+    if rank == 0:
+        print(f"# [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def worker(rank, world_size, args):
+    if args.stacks_after:
+        import faulthandler
+        faulthandler.dump_traceback_later(args.stacks_after, exit=True)   # a hang shows where it is
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local_rank)
@@ -329,11 +337,16 @@ def worker(rank, world_size, args):
     g = torch.Generator(device="cpu").manual_seed(1 + rank)
     batch = tuple(torch.randint(0, 50257, (args.batch, args.seq), generator=g).to(device) for _ in range(2))
     settings = grad_view_settings(args.grad_view)
-    trainers = {m: Trainer(m, args, device, torch_pg, batch) for m in mode_names(settings, args.skip)}
-    for tr in trainers.values():
+    trainers = {}
+    for m in mode_names(settings, args.skip):
+        _progress(rank, f"building '{m}'")
+        trainers[m] = Trainer(m, args, device, torch_pg, batch)
+    for m, tr in trainers.items():
+        _progress(rank, f"warm-up of '{m}'")
         for _ in range(args.warmup):
             tr.step()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    _progress(rank, "timing")
     times = {m: [] for m in trainers}
     host = {m: [] for m in trainers}
     for _ in range(args.repeats):                       # interleaved, so drift hits every mode alike
@@ -442,6 +455,8 @@ def main():
     p.add_argument("--skip", nargs="*", default=[], choices=MODES, help="modes to leave out")
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn (one GPU each) when not under torchrun")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--stacks-after", type=float, default=0, metavar="S",
+                   help="dump every thread's stack and exit after S seconds (finding a hang)")
     p.add_argument("--profile", metavar="DIR", help="also profile 3 eager steps of each eager mode: GPU idle time "
                    "and its largest gaps are reported; chrome traces (rank 0) go to DIR")
     args = p.parse_args()

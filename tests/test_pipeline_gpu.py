@@ -86,6 +86,7 @@ def _pipeline_on_gpus(rank, world_size):
     for cls in (ScheduleGPipe, Schedule1F1B):
         for m in sorted({1, 2, p, 2 * p, 8}):
             what = f"{cls.__name__} p={p} m={m} rank {rank}"
+            print(what, flush=True)        # where a hang happened (pytest shows it with the failure)
             mod = build_stage_module(copy.deepcopy(full), rank, p)
             sched = cls(PipelineStage(mod, rank, p), m, mse)
             losses = []
@@ -102,6 +103,7 @@ def _pipeline_on_gpus(rank, world_size):
             bound = m if cls is ScheduleGPipe else min(p - rank, m)
             assert sched.peak_live_activations == bound, what
     # Interleaved, 2 stages per rank.
+    print(f"ScheduleInterleaved1F1B p={p} m={2 * p} rank {rank}", flush=True)
     ranges = split_into_stages(full, 2 * p)
     mods = {k: build_stage_module(copy.deepcopy(full), k, 2 * p) for k in range(rank, 2 * p, p)}
     sched = ScheduleInterleaved1F1B([PipelineStage(mods[k], k, 2 * p) for k in mods], 2 * p, mse)
