@@ -364,9 +364,11 @@ def worker(rank, world_size, args):
         eager = trainers[eager_name]
         result["num_params"] = eager.num_params
         result["profiled_mode"] = eager_name
+        _progress(rank, "bucket timeline and per-bucket all-reduce")
         ready, bwd_ms = eager.profile_buckets()
         result["backward_ms"] = bwd_ms
         result["buckets"] = bucket_table(eager.ddp, ready, args.steps)
+        _progress(rank, "pack kernel vs copy")
         result["pack"], result["pack_per_bucket"] = pack_vs_copy(eager.ddp, args.steps)
     del trainers
     gc.collect()
