@@ -334,6 +334,19 @@ def worker(rank, world_size, args):
     if not pynccl.is_initialized():
         pynccl.init_process_group("nccl", device_id=local_rank)
     torch_pg = tdist.new_group(backend="nccl")          # torch DDP's own NCCL communicator
+    result = _measure(rank, world_size, args, device, torch_pg)
+    if rank == 0 and "RANK" in os.environ:              # torchrun: report before tearing down
+        report(result, args)
+    # NOTE: every trainer (and the CUDA graphs with captured collectives they hold) is gone with
+    # _measure's frame: NCCL's finalize waits for graphs that still hold its operations.
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    pynccl.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def _measure(rank, world_size, args, device, torch_pg):
     g = torch.Generator(device="cpu").manual_seed(1 + rank)
     batch = tuple(torch.randint(0, 50257, (args.batch, args.seq), generator=g).to(device) for _ in range(2))
     settings = grad_view_settings(args.grad_view)
@@ -370,11 +383,7 @@ def worker(rank, world_size, args):
         result["buckets"] = bucket_table(eager.ddp, ready, args.steps)
         _progress(rank, "pack kernel vs copy")
         result["pack"], result["pack_per_bucket"] = pack_vs_copy(eager.ddp, args.steps)
-    del trainers
-    gc.collect()
-    torch.cuda.empty_cache()
-    pynccl.destroy_process_group()
-    return result if rank == 0 else None
+    return result
 
 
 def print_report(r):
@@ -464,17 +473,20 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ddp_bench: needs CUDA GPUs (pynccl DDP on gloo is exercised by tests/test_ddp.py)")
-    if "RANK" in os.environ:                            # torchrun
-        result = worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    if "RANK" in os.environ:                            # torchrun: rank 0 reports from its worker
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     else:
         from pynccl.testing import run_multiprocess
-        result = run_multiprocess(worker, args.nproc, backend=None, start_method="spawn", timeout=1800,
-                                  args=(args,))[0]
-    if result is not None:
-        print_report(result)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        report(run_multiprocess(worker, args.nproc, backend=None, start_method="spawn", timeout=1800,
+                                args=(args,))[0], args)
+
+
+def report(result, args):
+    print_report(result)
+    sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -439,3 +439,24 @@ def _check_tuple_outputs(rank, p):
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_pipeline_gloo(p):
     assert run_multiprocess(_pipeline_case, p, timeout=120) == [True] * p
+
+
+def _connect_case(rank, ws):
+    from pynccl.pipeline.p2p import PipeTransport
+    t = PipeTransport(pynccl.get_default_group(), torch.device("cpu"))   # CPU: not connected at construction
+    t._connect_neighbours(nbytes=64)             # the exchange NCCL transports make when built
+    # Then a GPipe-shaped first batch: send to the next rank and receive from it, both at once.
+    nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+    out = torch.full((3,), float(rank))
+    got_prev, got_next = torch.empty(3), torch.empty(3)
+    t.start([(out, nxt), (out, prv)], [(got_prev, prv), (got_next, nxt)]).wait()
+    return got_prev.tolist(), got_next.tolist()
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_neighbour_connection_exchange_is_matched(ws):
+    """The connect-at-construction exchange pairs every send with a receive (else it would hang
+    here on gloo as it would on NCCL) and leaves the channels in order for the next batch."""
+    out = run_multiprocess(_connect_case, ws, timeout=60)
+    for r, (prev, nxt) in enumerate(out):
+        assert prev == [float((r - 1) % ws)] * 3 and nxt == [float((r + 1) % ws)] * 3

@@ -192,7 +192,9 @@ class NcclBackend(Backend):
         return None if child is None else NcclBackend(child)
 
     def destroy(self):
-        """Collective: ncclCommFinalize (bounded by the timeout) then ncclCommDestroy."""
+        """Collective: ncclCommFinalize then ncclCommDestroy. Bounded by the timeout on
+        non-blocking communicators (PYNCCL_NCCL_NONBLOCKING=1); a blocking one (the default) waits
+        inside NCCL until every rank finalizes and no CUDA graph still holds its operations."""
         self.comm.destroy()
 
     def abort(self):

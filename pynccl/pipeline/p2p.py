@@ -80,6 +80,24 @@ class PipeTransport:
         # NOTE: never written after creation, so every step can send the same "unchanged" header.
         self._unchanged = torch.zeros(1, dtype=torch.int64, device=device)
         self.num_meta_sent = 0       # full metadata messages sent (once per shape change)
+        if device.type == "cuda" and self.pp_size > 1:
+            self._connect_neighbours()
+
+    def _connect_neighbours(self, nbytes: int = 1 << 20) -> None:
+        """Connect this rank to both ring neighbours, in both directions, now.
+
+        NCCL connects a pair of ranks lazily, inside the first grouped call that uses that
+        direction, and the call blocks the host until the peer posts a call using it too. A
+        batch holding a send and a receive over a direction not yet connected can then wait for
+        a peer that first needs this batch's send (GPipe's first batch on rank 0 is [send the
+        activation, receive its gradient]: seen hanging on two H200s). One symmetric exchange
+        that every rank of the group makes at construction connects every direction a
+        schedule uses (stage k talks to k - 1 and k + 1 on the ring of pp ranks)."""
+        nxt, prv = (self.pp_rank + 1) % self.pp_size, (self.pp_rank - 1) % self.pp_size
+        n = nbytes // 4
+        sends = [(torch.zeros(n, device=self.device), nxt), (torch.zeros(n, device=self.device), prv)]
+        recvs = [(torch.empty(n, device=self.device), prv), (torch.empty(n, device=self.device), nxt)]
+        self.start(sends, recvs).wait()
 
     def start(self, sends: List[Tuple[torch.Tensor, int]], recvs: List[Tuple[torch.Tensor, int]]) -> Optional[Work]:
         """Post all sends and recvs as one batch; returns its Work (None if there is nothing).
