@@ -140,13 +140,16 @@ def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce
 
     if stage in (1, 2):
         tl.add("params_full", compute * sum(P))
+        # A unit of one unpadded parameter whose gradient is already in the reduce dtype
+        # reduce-scatters that gradient itself (flat_unit.reduce_grad); others pack a copy.
+        own = [len(u.layout.slots) == 1 and numel[i] == P[i] and compute == reduce for i, u in enumerate(units)]
         for i in range(len(units)):                   # backward: the bucket's gradients appear
             tl.add("grads_unreduced", compute * numel[i])
             if stage == 2:
-                launch(i, compute * numel[i], inp_is_grad=False)
+                launch(i, compute * numel[i], inp_is_grad=own[i])
         if stage == 1:                                # reduced after backward, bucket by bucket
             for i in range(len(units)):
-                launch(i, compute * numel[i], inp_is_grad=False)
+                launch(i, compute * numel[i], inp_is_grad=own[i])
     else:
         order = list(forward_order)
         if root is not None:
