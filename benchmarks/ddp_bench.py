@@ -335,7 +335,7 @@ def worker(rank, world_size, args):
         pynccl.init_process_group("nccl", device_id=local_rank)
     torch_pg = tdist.new_group(backend="nccl")          # torch DDP's own NCCL communicator
     result = _measure(rank, world_size, args, device, torch_pg)
-    if rank == 0 and "RANK" in os.environ:              # torchrun: report before tearing down
+    if rank == 0 and args.torchrun:                     # torchrun: report before tearing down
         report(result, args)
     # NOTE: every trainer (and the CUDA graphs with captured collectives they hold) is gone with
     # _measure's frame: NCCL's finalize waits for graphs that still hold its operations.
@@ -473,7 +473,9 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ddp_bench: needs CUDA GPUs (pynccl DDP on gloo is exercised by tests/test_ddp.py)")
-    if "RANK" in os.environ:                            # torchrun: rank 0 reports from its worker
+    # NOTE: decided here: run_multiprocess sets RANK in the processes it spawns as well.
+    args.torchrun = "RANK" in os.environ
+    if args.torchrun:                                   # rank 0 reports from its worker
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     else:
         from pynccl.testing import run_multiprocess

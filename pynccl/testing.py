@@ -70,32 +70,10 @@ def _child(fn, rank, world_size, env, backend, init_kwargs, args, kwargs, result
     os._exit(code)
 
 
-def run_multiprocess(fn: Callable, world_size: int, backend: Optional[str] = "gloo", timeout: float = 120.0,
-                     args: tuple = (), kwargs: Optional[dict] = None, env: Optional[Dict[str, str]] = None,
-                     init_kwargs: Optional[dict] = None, start_method: Optional[str] = None,
-                     expect_failure_ranks: Optional[List[int]] = None) -> List[Any]:
-    """Run fn(rank, world_size, *args, **kwargs) on `world_size` processes.
-
-    With backend set, each process calls pynccl.init_process_group(backend) first and
-    destroy_process_group() after. Returns the per-rank return values. Raises
-    MultiProcessError naming every rank that raised, exited non-zero or outlived `timeout`.
-    """
-    if start_method is None:
-        start_method = "spawn" if torch.cuda.is_initialized() else "fork"
-    ctx = mp.get_context(start_method)
-    full_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()),
-                "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
-    full_env.update(env or {})
-    results = ctx.Queue()
-    stack_dir = tempfile.mkdtemp(prefix="pynccl_stacks_")
-    stack_paths = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(world_size)]
-    procs = [ctx.Process(target=_child, name=f"rank{r}",
-                         args=(fn, r, world_size, full_env, backend, init_kwargs or {}, args, kwargs or {}, results,
-                               stack_paths[r]))
-             for r in range(world_size)]
+def _collect(procs, results, world_size: int, timeout: float, stack_paths: List[str]):
+    """Start the ranks and wait for them: (outcomes by rank, hung ranks, their stacks)."""
     for p in procs:
         p.start()
-
     outcomes: Dict[int, tuple] = {}
     deadline = time.monotonic() + timeout
     while len(outcomes) < world_size and time.monotonic() < deadline:
@@ -132,15 +110,48 @@ def run_multiprocess(fn: Callable, world_size: int, backend: Optional[str] = "gl
                     stacks[r] = f.read().strip()
             except OSError:
                 stacks[r] = ""
-    for path in stack_paths:
+    return outcomes, hung, stacks
+
+
+def run_multiprocess(fn: Callable, world_size: int, backend: Optional[str] = "gloo", timeout: float = 120.0,
+                     args: tuple = (), kwargs: Optional[dict] = None, env: Optional[Dict[str, str]] = None,
+                     init_kwargs: Optional[dict] = None, start_method: Optional[str] = None,
+                     expect_failure_ranks: Optional[List[int]] = None) -> List[Any]:
+    """Run fn(rank, world_size, *args, **kwargs) on `world_size` processes.
+
+    With backend set, each process calls pynccl.init_process_group(backend) first and
+    destroy_process_group() after. Returns the per-rank return values. Raises
+    MultiProcessError naming every rank that raised, exited non-zero or outlived `timeout`.
+    """
+    if start_method is None:
+        start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+    ctx = mp.get_context(start_method)
+    full_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()),
+                "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
+    full_env.update(env or {})
+    results = ctx.Queue()
+    stack_dir = tempfile.mkdtemp(prefix="pynccl_stacks_")
+    stack_paths = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(world_size)]
+    procs = [ctx.Process(target=_child, name=f"rank{r}",
+                         args=(fn, r, world_size, full_env, backend, init_kwargs or {}, args, kwargs or {}, results,
+                               stack_paths[r]))
+             for r in range(world_size)]
+    try:
+        outcomes, hung, stacks = _collect(procs, results, world_size, timeout, stack_paths)
+    finally:
+        for p in procs:                    # e.g. Ctrl-C while waiting: no rank outlives the call
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join(5.0)
+        for path in stack_paths:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
         try:
-            os.remove(path)
+            os.rmdir(stack_dir)
         except OSError:
             pass
-    try:
-        os.rmdir(stack_dir)
-    except OSError:
-        pass
 
     expected_bad = set(expect_failure_ranks or [])
     failures = []

@@ -80,10 +80,10 @@ class PipeTransport:
         # NOTE: never written after creation, so every step can send the same "unchanged" header.
         self._unchanged = torch.zeros(1, dtype=torch.int64, device=device)
         self.num_meta_sent = 0       # full metadata messages sent (once per shape change)
-        if device.type == "cuda" and self.pp_size > 1:
+        if getattr(group.backend, "name", None) == "nccl" and self.pp_size > 1:
             self._connect_neighbours()
 
-    def _connect_neighbours(self, nbytes: int = 1 << 20) -> None:
+    def _connect_neighbours(self, nbytes: int = 1024) -> None:
         """Connect this rank to both ring neighbours, in both directions, now.
 
         NCCL connects a pair of ranks lazily, inside the first grouped call that uses that
@@ -92,7 +92,9 @@ class PipeTransport:
         a peer that first needs this batch's send (GPipe's first batch on rank 0 is [send the
         activation, receive its gradient]: seen hanging on two H200s). One symmetric exchange
         that every rank of the group makes at construction connects every direction a
-        schedule uses (stage k talks to k - 1 and k + 1 on the ring of pp ranks)."""
+        schedule uses (stage k talks to k - 1 and k + 1 on the ring of pp ranks). NCCL connects
+        all of a peer's p2p channels at the first use, whatever the size, so the messages are small.
+        NOTE: this makes building a schedule collective over the pipeline group on NCCL."""
         nxt, prv = (self.pp_rank + 1) % self.pp_size, (self.pp_rank - 1) % self.pp_size
         n = nbytes // 4
         sends = [(torch.zeros(n, device=self.device), nxt), (torch.zeros(n, device=self.device), prv)]

@@ -35,6 +35,10 @@ def split_microbatches(what: str, values: Sequence, n: int) -> List[list]:
 
 
 class _PipelineSchedule:
+    """Runs one rank's program (actions.build_programs) for its stages.
+
+    Building a schedule is collective over the pipeline group: on NCCL every rank connects to its
+    neighbours then (p2p.PipeTransport), so every rank of the group must build its schedule."""
     kind: ScheduleKind
 
     def __init__(self, stages: List[PipelineStage], n_microbatches: int, loss_fn: Callable, scale_grads: bool):
