@@ -328,3 +328,27 @@ def test_every_op_on_nccl_world_size_1_with_and_without_graphs(tmp_path):
         assert len(tests) == len(OPS)
         for t in tests:
             assert t.out_of_bounds == 0 and len(t.rows) == 4, t.name
+
+
+def test_check_targets_lists_the_sizes_that_miss(tmp_path, capsys):
+    """benchmarks/check_targets.py: busbw ratio at >= 32 MiB and time ratio at <= 64 KiB, per
+    op and placement, with every size that misses named."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("check_targets", os.path.join(REPO, "benchmarks", "check_targets.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def row(size, oop_us, ip_us):
+        return {"size": size, "out_of_place": {"time": oop_us}, "in_place": {"time": ip_us}}
+    ours = [row(8, 10.0, 10.0), row(65536, 30.0, 20.0), row(32 << 20, 100.0, 100.0), row(1 << 30, 1000.0, 900.0)]
+    torch_ = [row(8, 20.0, 10.0), row(65536, 20.0, 40.0), row(32 << 20, 110.0, 100.0), row(1 << 30, 1000.0, 1000.0)]
+    path = tmp_path / "eager_all_reduce.json"
+    path.write_text(json.dumps({"pynccl": {"op": "all_reduce", "world_size": 2, "implementations": {
+        "pynccl": {"results": ours}, "torch": {"results": torch_}}}}))
+    mod.main([str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    oop = next(ln for ln in lines if ln.startswith("all_reduce") and "out_of_place" in ln)
+    ip = next(ln for ln in lines if ln.startswith("all_reduce") and "in_place" in ln)
+    assert "65536B time 1.50" in oop and "B busbw" not in oop          # 30 us vs 20 us; 1.10 and 1.00 pass
+    assert "1.000 / 1.050" in oop                                        # busbw ratios 1.10 and 1.00
+    assert ip.endswith("none") and "1.000 / 1.056" in ip                 # 1.00 and 1000/900
