@@ -21,7 +21,7 @@ step() {  # step NAME CAP cmd...: runs cmd with min(CAP, time left) seconds, log
 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())" >"$O/versions.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$O/versions.txt"
 step build 90 python3 -m pip install --no-build-isolation --no-deps -e .
-step tests 160 python3 -m pytest -rA -p no:cacheprovider -m multigpu ${TESTS:-tests}
+step tests 240 python3 -m pytest -rA -p no:cacheprovider -m multigpu ${TESTS:-tests}
 grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$O/tests.log"
 step ddp_bench 120 torchrun --nproc_per_node "$N" benchmarks/ddp_bench.py --repeats 3 --json "$O/ddp_bench.json"
 head -16 "$O/ddp_bench.log"
@@ -32,5 +32,9 @@ step zero_bench 70 torchrun --nproc_per_node "$N" benchmarks/zero_bench.py
 tail -12 "$O/zero_bench.log"
 step tp_bench 50 torchrun --nproc_per_node "$N" benchmarks/tp_bench.py
 tail -8 "$O/tp_bench.log"
-step pp_bench 50 python3 benchmarks/pp_bench.py --backend nccl --nproc "$N"
+step pp_bench 60 python3 benchmarks/pp_bench.py --backend nccl --nproc "$N"
 tail -8 "$O/pp_bench.log"
+step zero_memory 60 torchrun --nproc_per_node "$N" benchmarks/zero_memory.py --device cuda
+sed -n '1,20p' "$O/zero_memory.log"
+step ddp_bench2 90 torchrun --nproc_per_node 2 benchmarks/ddp_bench.py --repeats 3
+head -14 "$O/ddp_bench2.log"
