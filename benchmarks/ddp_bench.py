@@ -233,9 +233,7 @@ def pack_vs_copy(ddp, iters):
 
 def _kernel_timeline(trace_path):
     """(kernels, memcpy/memset) of a chrome trace as (start_us, end_us, stream, name), by start."""
-    import gzip
-    opener = gzip.open if trace_path.endswith(".gz") else open
-    with opener(trace_path, "rt") as f:
+    with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     out = []
     for e in events:

@@ -38,15 +38,15 @@ class ReduceQueue:
     def append(self, pending: PendingReduce) -> None:
         self.pending.append(pending)
 
-    def trim(self) -> None:
-        while len(self.pending) > self.limit:
+    def trim(self, keep: Optional[int] = None) -> None:
+        """Finish the oldest until at most `keep` (default: the limit) remain."""
+        keep = self.limit if keep is None else keep
+        while len(self.pending) > keep:
             p = self.pending.pop(0)
             p.unit.finish_reduce(p)
 
     def drain(self) -> None:
-        while self.pending:
-            p = self.pending.pop(0)
-            p.unit.finish_reduce(p)
+        self.trim(0)
 
     def buffers(self) -> List[torch.Tensor]:
         """The input and output buffers in flight (for memory accounting)."""
