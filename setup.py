@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [
     "csrc/bindings.cpp",
     "csrc/bucket.cpp",
+    "csrc/bucket_reduce.cpp",
     "csrc/collectives.cpp",
     "csrc/communicator.cpp",
     "csrc/nccl_api.cpp",

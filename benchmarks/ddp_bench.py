@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pynccl  # noqa: E402
-from pynccl import comm_hooks  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- model
@@ -103,8 +102,9 @@ class Trainer:
         elif mode.startswith("pynccl"):
             model = self.ddp = pynccl.DistributedDataParallel(model, device_ids=[device.index],
                                                               gradient_as_bucket_view=grad_view)
-            self.profile = None
-            self.ddp.register_comm_hook(None, self._timed_hook)
+            # The default hook, as a user has it: a bucket is one C++ call, except in the
+            # PY_PATH mode, which runs the same streams and kernels through Python.
+            self.ddp.reducer.allow_fused = PY_PATH not in mode
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=True, capturable=True)
         self.x, self.y = batch
@@ -112,13 +112,6 @@ class Trainer:
         self.graph = None
         if "+ graph" in mode:
             self._capture()
-
-    def _timed_hook(self, state, bucket):
-        if self.profile is not None:               # one profiled step: when did this bucket start?
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.profile.append((bucket.index(), ev))
-        return comm_hooks.allreduce_hook(state, bucket)
 
     def eager_step(self):
         self.opt.zero_grad(set_to_none=True)
@@ -128,6 +121,27 @@ class Trainer:
         loss.backward()
         self.opt.step()
         return loss
+
+    def phase_step(self):
+        """One eager step with CUDA events and host clocks between its phases: (GPU ms, host ms)
+        per phase (forward incl. zero_grad and loss, backward incl. DDP's end-of-backward work, optimizer)."""
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        host = [0.0] * 4
+        ev[0].record()
+        host[0] = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast, cache_enabled=False):
+            logits = self.model(self.x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), self.y.view(-1))
+        ev[1].record()
+        host[1] = time.perf_counter()
+        loss.backward()
+        ev[2].record()
+        host[2] = time.perf_counter()
+        self.opt.step()
+        ev[3].record()
+        host[3] = time.perf_counter()
+        return ev, host
 
     def _capture(self):
         # Eager warm-up on a side stream builds, then rebuilds, the buckets (see pynccl/ddp.py).
@@ -153,20 +167,33 @@ class Trainer:
             self.eager_step()
 
     def profile_buckets(self):
-        """One eager step: GPU time from backward's start at which each bucket was handed to its
-        collective, and backward's length (the end includes waiting for and unpacking them)."""
+        """One eager step: GPU time from backward's start at which each bucket became ready (its
+        last gradient made, on the compute stream), and backward's length (the end includes
+        waiting for and unpacking the buckets)."""
         self.opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast, cache_enabled=False):
             logits = self.model(self.x)
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), self.y.view(-1))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.profile = []
-        start.record()
-        loss.backward()
-        end.record()
-        torch.cuda.synchronize()
-        ready = {i: start.elapsed_time(ev) for i, ev in self.profile}
-        self.profile = None
+        events = []
+        bucketer = self.ddp.reducer.bucketer
+        on_ready = bucketer.on_bucket_ready
+
+        def timed_on_ready(b):                      # benchmark-only: an event where the bucket is handed on
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            events.append((b.index, ev))
+            on_ready(b)
+
+        bucketer.on_bucket_ready = timed_on_ready
+        try:
+            start.record()
+            loss.backward()
+            end.record()
+            torch.cuda.synchronize()
+        finally:
+            bucketer.on_bucket_ready = on_ready
+        ready = {i: start.elapsed_time(ev) for i, ev in events}
         self.opt.zero_grad(set_to_none=True)
         return ready, start.elapsed_time(end)
 
@@ -264,6 +291,24 @@ def _gap_summary(kernels, steps):
                 top_gaps_us=[(round(g, 1), n) for g, n in gaps[:8]])
 
 
+PHASES = ("forward", "backward", "optimizer")
+
+
+def measure_phases(trainers, args):
+    """Median GPU and host ms per phase of the eager modes' steps (args.phases steps each,
+    interleaved in 5 rounds): where an eager overhead sits."""
+    out = {m: {f"{k} {ph}": [] for k in ("gpu", "host") for ph in PHASES} for m in trainers if "graph" not in m}
+    for _ in range(5):
+        for m in out:
+            recs = [trainers[m].phase_step() for _ in range(max(1, args.phases // 5))]
+            torch.cuda.synchronize()
+            for ev, host in recs:
+                for i, ph in enumerate(PHASES):
+                    out[m][f"gpu {ph}"].append(ev[i].elapsed_time(ev[i + 1]))
+                    out[m][f"host {ph}"].append(1e3 * (host[i + 1] - host[i]))
+    return {m: {k: statistics.median(v) for k, v in d.items()} for m, d in out.items()}
+
+
 def profile_steps(trainers, outdir, rank, steps=3):
     """torch.profiler over `steps` eager steps of each eager mode: where the GPU sat idle. Writes
     <outdir>/trace_<mode>.json.gz (rank 0) and returns {mode: summary}."""
@@ -293,8 +338,9 @@ def profile_steps(trainers, outdir, rank, steps=3):
 
 
 # ----------------------------------------------------------------------------- driver
-MODES = ["no DDP", "torch DDP", "pynccl DDP", "no DDP + graph", "pynccl DDP + graph"]
-DDP_MODES = ["torch DDP", "pynccl DDP", "pynccl DDP + graph"]   # run once per gradient_as_bucket_view setting
+PY_PATH = "pynccl DDP py-path"                   # eager, buckets through Python (reducer.allow_fused = False)
+MODES = ["no DDP", "torch DDP", "pynccl DDP", PY_PATH, "no DDP + graph", "pynccl DDP + graph"]
+DDP_MODES = ["torch DDP", "pynccl DDP", PY_PATH, "pynccl DDP + graph"]  # once per gradient_as_bucket_view setting
 VIEW = " [view]"                                                  # suffix of gradient_as_bucket_view=True modes
 
 
@@ -302,12 +348,12 @@ def grad_view_settings(arg):
     return {"off": [False], "on": [True], "both": [False, True]}[arg]
 
 
-def mode_names(settings, skip):
+def mode_names(settings, skip, compare_py_path=False):
     """Mode names in run order; a DDP mode gets VIEW appended when gradient_as_bucket_view=True
     (both DDPs, so torch DDP and pynccl DDP are always compared under the same setting)."""
     names = []
     for m in MODES:
-        if m in skip:
+        if m in skip or (m == PY_PATH and not compare_py_path):
             continue
         if m in DDP_MODES:
             names.extend(m + (VIEW if v else "") for v in settings)
@@ -349,7 +395,7 @@ def _measure(rank, world_size, args, device, torch_pg):
     batch = tuple(torch.randint(0, 50257, (args.batch, args.seq), generator=g).to(device) for _ in range(2))
     settings = grad_view_settings(args.grad_view)
     trainers = {}
-    for m in mode_names(settings, args.skip):
+    for m in mode_names(settings, args.skip, args.compare_py_path):
         _progress(rank, f"building '{m}'")
         trainers[m] = Trainer(m, args, device, torch_pg, batch)
     for m, tr in trainers.items():
@@ -364,9 +410,10 @@ def _measure(rank, world_size, args, device, torch_pg):
         for m, tr in trainers.items():
             times[m].extend(_events_ms(tr.step, args.steps, host[m]))
     gaps = profile_steps(trainers, args.profile, rank) if args.profile else None
+    phases = measure_phases(trainers, args) if args.phases else None
     result = dict(world_size=world_size, device=torch.cuda.get_device_name(device), torch=torch.__version__,
                   nccl=str(pynccl.nccl_version()), precision=args.precision, batch=args.batch, seq=args.seq,
-                  grad_view=settings, modes={}, gpu_gaps=gaps)
+                  grad_view=settings, modes={}, gpu_gaps=gaps, phases=phases)
     for m, ts in times.items():
         result["modes"][m] = dict(median_ms=statistics.median(ts), min_ms=min(ts), max_ms=max(ts), n=len(ts),
                                   host_ms=statistics.median(host[m]))
@@ -405,6 +452,13 @@ def print_report(r):
               f"{100 * over / base:>11.2f}%{s.get('host_ms', float('nan')):>9.2f}")
     print("# host ms: median time the step call took to return on the host (kernel launches, no sync); a step is "
           "host-bound where it approaches the step time")
+    if r.get("phases"):
+        print("# phases of eager steps (median ms): GPU time between events recorded at each phase's start, and the "
+              "host time the phase's calls took")
+        print(f"{'mode':<28}" + "".join(f"{'gpu ' + ph:>14}" for ph in PHASES) + "".join(f"{'host ' + ph:>15}" for ph in PHASES))
+        for m, d in r["phases"].items():
+            print(f"{m:<28}" + "".join(f"{d['gpu ' + ph]:>14.3f}" for ph in PHASES) +
+                  "".join(f"{d['host ' + ph]:>15.3f}" for ph in PHASES))
     if r.get("gpu_gaps"):
         print("# profiled eager steps (torch.profiler, rank 0): GPU span per step, time per step no kernel ran, "
               "largest gaps (us, the kernel after the gap)")
@@ -416,14 +470,23 @@ def print_report(r):
         if "torch DDP" + suffix not in modes:
             continue
         t_over = overhead("torch DDP" + suffix)[0]
-        for m in ("pynccl DDP" + suffix, "pynccl DDP + graph" + suffix):
-            if m in modes:
+        for m in modes:
+            if m.startswith("pynccl DDP") and m.endswith(VIEW) == v:
                 ratio = overhead(m)[0] / t_over if t_over > 0 else float("nan")
+                t_min = modes["torch DDP" + suffix]["min_ms"] - modes["no DDP"]["min_ms"]
+                base_min = modes.get("no DDP + graph" if "+ graph" in m else "no DDP", {}).get("min_ms", float("nan"))
+                ratio_min = (modes[m]["min_ms"] - base_min) / t_min if t_min > 0 else float("nan")
                 print(f"# gradient_as_bucket_view={views[v]}: {m} overhead / torch DDP{suffix} overhead = {ratio:.2f} "
-                      f"(target <= 0.5)")
+                      f"(by minima {ratio_min:.2f}; target <= 0.5)")
+    for m in modes:                                   # issue 10's measure at world size > 1
+        if m.startswith("pynccl DDP") and "+ graph" not in m:
+            ref = "torch DDP" + (VIEW if m.endswith(VIEW) else "")
+            if ref in modes:
+                print(f"# step time {m} / {ref} = {modes[m]['median_ms'] / modes[ref]['median_ms']:.3f} (medians; "
+                      f"minima {modes[m]['min_ms'] / modes[ref]['min_ms']:.3f})")
     if "buckets" in r:
         print(f"\n# buckets of '{r['profiled_mode']}' (backward takes {r['backward_ms']:.2f} ms; 'ready at' = GPU time "
-              f"from its start when the bucket was packed and handed to its all-reduce)")
+              f"from its start when the bucket's last gradient was made and the bucket handed on)")
         print(f"{'bucket':>6}{'params':>8}{'MiB':>9}{'ready at ms':>13}{'all-reduce us':>15}{'algbw GB/s':>12}"
               f"{'busbw GB/s':>12}")
         for b in r["buckets"]:
@@ -462,6 +525,11 @@ def main():
                    help="gradient_as_bucket_view for both DDPs: --grad-view (= on) True, 'both' runs the DDP modes "
                         "under False and True in one process (no-DDP baselines shared)")
     p.add_argument("--skip", nargs="*", default=[], choices=MODES, help="modes to leave out")
+    p.add_argument("--compare-py-path", action="store_true",
+                   help=f"also time '{PY_PATH}': pynccl DDP with each bucket's streams, pack, all-reduce and unpack "
+                        "called from Python instead of one C++ call")
+    p.add_argument("--phases", type=int, default=0, metavar="STEPS",
+                   help="also time STEPS eager steps per mode phase by phase (GPU events and host clocks)")
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn (one GPU each) when not under torchrun")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--stacks-after", type=float, default=0, metavar="S",

@@ -216,6 +216,11 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("tensor"), py::arg("op") = 0, py::arg("async_op") = false, py::arg("premul_factor") = 1.0,
            py::arg("output") = py::none())
+      .def("reduce_bucket", &Communicator::reduce_bucket, py::arg("grads"), py::arg("flat"), py::arg("scale"),
+           py::arg("pack_stream"),
+           "One DDP bucket in one call: pack grads into flat (x scale, cast) on pack_stream (a "
+           "torch.cuda.Stream.cuda_stream handle) after the current stream, then a SUM all-reduce of flat after the "
+           "pack. Returns the all-reduce's Work; its wait() orders the current stream after both.")
       .def("broadcast",
            [](Communicator& c, const at::Tensor& tensor, int root, bool async_op, py::handle output) {
              if (output.is_none()) return c.broadcast(tensor, root, async_op);

@@ -32,11 +32,13 @@ void check_dense_cuda(const char* fn, const std::string& what, const at::Tensor&
                     t.strides());
 }
 
-void bucket_copy(const char* fn, const std::vector<at::Tensor>& tensors, const at::Tensor& flat, double scale,
-                 bool to_flat) {
+}  // namespace
+
+BucketCopy::BucketCopy(const char* fn, const std::vector<at::Tensor>& tensors, const at::Tensor& flat, double scale,
+                       bool to_flat)
+    : tensors_(tensors), flat_(flat), scale_(scale), to_flat_(to_flat) {
   check_dense_cuda(fn, "flat", flat);
-  if (tensors.empty()) return;
-  const c10::ScalarType dtype = tensors[0].defined() ? tensors[0].scalar_type() : flat.scalar_type();
+  const c10::ScalarType dtype = !tensors.empty() && tensors[0].defined() ? tensors[0].scalar_type() : flat.scalar_type();
   int64_t total = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::string what = "tensors[" + std::to_string(i) + "]";
@@ -59,23 +61,31 @@ void bucket_copy(const char* fn, const std::vector<at::Tensor>& tensors, const a
   }
   PYNCCL_CHECK_VALUE(total <= flat.numel(), fn, ": tensors hold ", total, " elements in total, but flat has ",
                     flat.numel());
+  tensor_type_ = static_cast<int>(tensor_type);
+  flat_type_ = static_cast<int>(flat_type);
+}
 
-  c10::cuda::CUDAGuard guard(flat.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(flat.get_device()).stream();
-  const int64_t unit = tensor_type == ElemType::kBytes ? static_cast<int64_t>(flat.element_size()) : 1;
+void BucketCopy::launch(cudaStream_t stream) const {
+  const auto tensor_type = static_cast<ElemType>(tensor_type_);
+  const auto flat_type = static_cast<ElemType>(flat_type_);
+  const int64_t unit = tensor_type == ElemType::kBytes ? static_cast<int64_t>(flat_.element_size()) : 1;
+  const bool identity_if_aliased = scale_ == 1.0 && tensor_type == flat_type;
+  char* const flat_bytes = static_cast<char*>(flat_.data_ptr());
+  const int64_t flat_elem = static_cast<int64_t>(flat_.element_size());
   kernels::SegmentBatch batch;
   int64_t offset = 0;  // in flat's elements
   auto flush = [&] {
     if (batch.num_segments == 0) return;
-    PYNCCL_CHECK_CUDA(
-        kernels::launch_bucket_copy(batch, flat.data_ptr(), tensor_type, flat_type, to_flat, scale, stream));
+    PYNCCL_CHECK_CUDA(kernels::launch_bucket_copy(batch, flat_.data_ptr(), tensor_type, flat_type, to_flat_, scale_,
+                                                  stream));
     batch.num_segments = 0;
   };
-  for (const auto& t : tensors) {
+  for (const auto& t : tensors_) {
     const int64_t numel = t.numel();
-    if (numel > 0) {
+    void* const data = t.data_ptr();
+    if (numel > 0 && !(identity_if_aliased && data == flat_bytes + offset * flat_elem)) {
       // kBytes: sizes and offsets in bytes (same dtype on both sides).
-      batch.segments[batch.num_segments++] = kernels::Segment{t.data_ptr(), numel * unit, offset * unit, 0};
+      batch.segments[batch.num_segments++] = kernels::Segment{data, numel * unit, offset * unit, 0};
       if (batch.num_segments == kernels::kMaxSegmentsPerLaunch) flush();
     }
     offset += numel;
@@ -83,14 +93,23 @@ void bucket_copy(const char* fn, const std::vector<at::Tensor>& tensors, const a
   flush();
 }
 
+namespace {
+
+void copy_on_current_stream(const char* fn, const std::vector<at::Tensor>& tensors, const at::Tensor& flat,
+                            double scale, bool to_flat) {
+  const BucketCopy copy(fn, tensors, flat, scale, to_flat);
+  c10::cuda::CUDAGuard guard(flat.device());
+  copy.launch(c10::cuda::getCurrentCUDAStream(flat.get_device()).stream());
+}
+
 }  // namespace
 
 void pack(const std::vector<at::Tensor>& tensors, const at::Tensor& flat, double scale) {
-  bucket_copy("pack", tensors, flat, scale, /*to_flat=*/true);
+  copy_on_current_stream("pack", tensors, flat, scale, /*to_flat=*/true);
 }
 
 void unpack(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, double scale) {
-  bucket_copy("unpack", tensors, flat, scale, /*to_flat=*/false);
+  copy_on_current_stream("unpack", tensors, flat, scale, /*to_flat=*/false);
 }
 
 }  // namespace pynccl

@@ -112,6 +112,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // A 1-element all_reduce, then a host wait bounded by timeout_s.
   void barrier();
 
+  // --- one DDP gradient bucket (bucket_reduce.cpp) ------------------------------------------
+  // Packs grads into flat (x scale, cast) on pack_stream after the current stream, then a SUM
+  // all-reduce of flat, async, after the pack. pack_stream: a cudaStream_t handle on this device.
+  std::shared_ptr<Work> reduce_bucket(const std::vector<at::Tensor>& grads, const at::Tensor& flat, double scale,
+                                      int64_t pack_stream);
+
   // --- point-to-point and the collectives built on it (p2p.cpp) -----------------------------
   std::shared_ptr<Work> all_to_all(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
                                    bool async_op);

@@ -96,3 +96,7 @@ def bf16_compress_hook(state, bucket: GradBucket) -> _Pending:
 
 fp16_compress_hook.wire_dtype = torch.float16
 bf16_compress_hook.wire_dtype = torch.bfloat16
+
+# The built-in hooks: each is a SUM all-reduce of the packed (wire) buffer over `state`'s group,
+# so DDP may run pack, all-reduce and unpack of a bucket in one C++ call instead of calling them.
+SUM_HOOKS = (allreduce_hook, fp16_compress_hook, bf16_compress_hook)

@@ -2,9 +2,10 @@
 
 Why it is faster: each bucket's gradients are packed by one fused launch (the 1/world_size scale
 folded in), reduced by one collective that starts the moment the bucket is full, on the
-communicator's stream while backward goes on, and unpacked by one launch; the end of backward
-only makes the current stream wait (Work.wait(): no host sync). On CUDA the pack and the unpack
-run on two side streams, so they too overlap the rest of backward (ddp_reducer.py). Bucketing and the gradient-ready
+communicator's stream while backward goes on, and unpacked by one launch at the end of backward,
+which only makes the current stream wait (Work.wait(): no host sync). On CUDA the pack runs on a
+side stream, so it too overlaps the rest of backward, and with a built-in hook a bucket's pack and
+collective are one C++ call (ddp_reducer.py). Bucketing and the gradient-ready
 hooks are grad_buckets.py (shared with ZeRO); the reduction is a comm hook (comm_hooks.py).
 Written once against the Backend interface: the same code runs on gloo (CPU) and nccl (CUDA).
 

@@ -11,6 +11,7 @@ import torch
 
 from . import comm_hooks
 from .grad_buckets import DEFAULT_FIRST_BUCKET_BYTES, MiB, Bucket, GradBucketer, assign_buckets
+from .groups import _group
 from .reduce_op import ReduceOp
 
 _BROADCAST_CAP_BYTES = 250 * MiB
@@ -100,11 +101,23 @@ class Reducer:
         # static_graph: which parameters go unused, learnt in the first iteration (local, global).
         self.static_unused = None
         self._locally_unused: List[int] = []
-        # CUDA only (CPU has no streams): pack, then unpack, off the stream backward runs on.
-        self.side_streams = None
-        if self.device.type == "cuda":
-            self.side_streams = (torch.cuda.Stream(self.device, priority=-1), torch.cuda.Stream(self.device))
+        # CUDA only (CPU has no streams): the pack runs off the stream backward runs on.
+        self.pack_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        # The communicator that runs a whole bucket in one C++ call (see _fused_comm), or None.
+        self.fused_comm = None
+        self._allow_fused = True
         self._setup_buckets()
+
+    @property
+    def allow_fused(self) -> bool:
+        """Whether buckets may take the one-call C++ path (on by default; off runs the same
+        stream, kernel and collective through Python, for comparison)."""
+        return self._allow_fused
+
+    @allow_fused.setter
+    def allow_fused(self, enabled: bool) -> None:
+        self._allow_fused = bool(enabled)
+        self.fused_comm = self._fused_comm()
 
     # ------------------------------------------------------------------ buckets
     def _setup_buckets(self) -> None:
@@ -116,6 +129,20 @@ class Reducer:
                 wire = torch.zeros(b.numel, dtype=wire_dtype, device=b.device)
             b.extra["wire"] = wire
             b.extra["grad_bucket"] = comm_hooks.GradBucket(b.index, wire, b.params, b.index == last)
+        self.fused_comm = self._fused_comm()
+
+    def _fused_comm(self):
+        """The C++ communicator when a bucket's pack and hook may run as one
+        `Communicator.reduce_bucket` call: CUDA, a built-in SUM hook, over an NCCL group.
+        Otherwise (gloo, a user's hook) the hook is called from Python."""
+        if self.pack_stream is None or not self._allow_fused or self.hook not in comm_hooks.SUM_HOOKS:
+            return None
+        try:
+            backend = _group(self.hook_state).backend
+        except TypeError:            # not a pynccl group: the hook itself will say so when called
+            return None
+        comm = getattr(backend, "comm", None)
+        return comm if hasattr(comm, "reduce_bucket") else None
 
     def register_comm_hook(self, state, hook) -> None:
         if not callable(hook):
@@ -164,12 +191,6 @@ class Reducer:
         self.bucketer.prepare_for_backward(unused)
 
     # ------------------------------------------------------------------ reduction
-    def _write_back_now(self) -> bool:
-        """Whether a bucket's gradients may be written back as soon as its reduction is queued
-        (the unused set is known in advance) rather than at the end of backward."""
-        return self.side_streams is not None and (self.static_unused is not None
-                                                  or not (self.find_unused or self.static_graph))
-
     def _sources(self, b: Bucket) -> List[torch.Tensor]:
         """What to pack, on the stream that produced the gradients (NOTE: any tensor made or
         dropped here belongs to that stream, so no other stream frees memory under it).
@@ -205,27 +226,24 @@ class Reducer:
 
     @torch.no_grad()
     def _on_bucket_ready(self, b: Bucket) -> None:
+        """Starts the bucket's reduction; the gradients are written back at the end of backward.
+        NOTE: on CUDA the write-back (unpack) runs then, on the compute stream, not on a side
+        stream as each reduction ends: measured on one H200 (benchmarks/RESULTS.md), unpacks
+        overlapping backward cost more than the same copies after it."""
         sources = self._sources(b)
-        if self.side_streams is None:
-            self.pending.append((b, self._reduce(b, sources), sources))
-            return
-        # CUDA: pack on a side stream so it overlaps the rest of backward; the collective follows
-        # on the communicator's stream; the unpack waits for it on a second side stream.
-        pack_stream, unpack_stream = self.side_streams
-        compute = torch.cuda.current_stream(self.device)
-        pack_stream.wait_stream(compute)
-        with torch.cuda.stream(pack_stream):
+        if self.fused_comm is not None:
+            # pack on the side stream, then the all-reduce: one C++ call (bucket_reduce.cpp)
+            wire = b.extra["wire"]
+            work = self.fused_comm.reduce_bucket(sources, wire, self.scale, self.pack_stream.cuda_stream)
+            handle = comm_hooks._Pending(work, wire)
+        elif self.pack_stream is not None:
+            # The same through Python: pack on the side stream, the hook's collective after it.
+            self.pack_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.pack_stream):
+                handle = self._reduce(b, sources)
+        else:
             handle = self._reduce(b, sources)
-        if not self._write_back_now():
-            self.pending.append((b, handle, sources))
-            return
-        unused = self.static_unused[1] if self.static_unused is not None else set()
-        self._ensure_grads(b, unused)
-        unpack_stream.wait_stream(compute)
-        with torch.cuda.stream(unpack_stream):
-            reduced = handle.wait()
-            self._write_back(b, reduced, unused)
-        self.pending.append((b, None, (sources, reduced)))    # alive until the streams join
+        self.pending.append((b, handle, sources))        # sources: alive until the streams join
 
     def _globally_unused(self) -> set:
         """Indices of parameters no rank used since the last reduction (their grads stay as they
@@ -246,12 +264,10 @@ class Reducer:
 
     @torch.no_grad()
     def _on_backward_end(self) -> None:
-        if self.side_streams is not None:
-            compute = torch.cuda.current_stream(self.device)
-            for stream in self.side_streams:
-                compute.wait_stream(stream)
+        if self.pack_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.pack_stream)
         pending, self.pending = self.pending, []
-        if all(handle is None for _, handle, _ in pending):
+        if not pending:
             return
         unused = self._globally_unused()
         for b, handle, _ in pending:

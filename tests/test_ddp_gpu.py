@@ -107,21 +107,28 @@ def _against_torch_ddp(rank, ws):
     data = _data(rank, ws, device)
     tol = 1e-6 if ws == 1 else 1e-5
     diffs = {}
-    for kw, slow in ((dict(), False), (dict(gradient_as_bucket_view=True), False), (dict(), True),
-                     (dict(gradient_as_bucket_view=True), True)):
+    # (DDP kwargs, slow backward, delayed Python hook). Without a hook of its own a bucket runs
+    # as one C++ reduce_bucket call; the delayed hook takes the Python path with the same streams.
+    view = dict(gradient_as_bucket_view=True)
+    cases = ((dict(), False, False), (view, False, False), (dict(), True, False), (view, True, False),
+             (dict(find_unused_parameters=True), True, False), (dict(), True, True), (view, True, True))
+    for kw, slow, delayed_hook in cases:
         ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(
             m, device_ids=[device.index], bucket_cap_mb=BUCKET_MB, **kw), slow)
         theirs, opt_theirs = _build(device, lambda m: TorchDDP(m, device_ids=[device.index], process_group=torch_pg,
                                                                bucket_cap_mb=BUCKET_MB, **kw), slow)
         assert len(ours.reducer.bucketer.buckets) > 2
-        if slow:
+        if delayed_hook:
             ours.register_comm_hook(None, _delayed_allreduce_hook)
-        for x, y in data:       # bucket views are meant for zero_grad(set_to_none=False)
-            _step(ours, opt_ours, x, y, set_to_none=not kw)
-            _step(theirs, opt_theirs, x, y, set_to_none=not kw)
+        assert (ours.reducer.fused_comm is None) == delayed_hook
+        set_to_none = "gradient_as_bucket_view" not in kw   # bucket views are meant for set_to_none=False
+        for x, y in data:
+            _step(ours, opt_ours, x, y, set_to_none=set_to_none)
+            _step(theirs, opt_theirs, x, y, set_to_none=set_to_none)
         torch.cuda.synchronize()
-        diffs[f"{kw} {'with delays' if slow else ''}"] = (_max_diff(_params(ours), _params(theirs)), tol)
-        assert ours.reducer.rebuilt
+        name = f"{kw}{' slow backward' if slow else ''}{' delayed Python hook' if delayed_hook else ' one C++ call'}"
+        diffs[name] = (_max_diff(_params(ours), _params(theirs)), tol)
+        assert ours.reducer.rebuilt == ("find_unused_parameters" not in kw)     # torch's rule
 
     # bf16 compression: against torch DDP with torch's own bf16 hook (both sum bf16 values, in
     # orders that may differ: a few bf16 roundings apart), and against fp32 torch DDP. SGD, whose
@@ -129,6 +136,7 @@ def _against_torch_ddp(rank, ws):
     # near-zero gradient would already be 2 * lr apart).
     ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(m, bucket_cap_mb=BUCKET_MB), sgd=True)
     ours.register_comm_hook(None, comm_hooks.bf16_compress_hook)
+    assert ours.reducer.fused_comm is not None             # a built-in hook: pack casts, unpack casts back
     ref16, opt_ref16 = _build(device, lambda m: TorchDDP(m, process_group=torch_pg, bucket_cap_mb=BUCKET_MB),
                               sgd=True)
     ref16.register_comm_hook(torch_pg, default_hooks.bf16_compress_hook)

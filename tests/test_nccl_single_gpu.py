@@ -641,3 +641,46 @@ def test_pack_validation_errors():
         C.unpack(flat, [torch.ones(4, 4, device="cuda").t()], 1.0)
     with pytest.raises(ValueError, match="must be a CUDA tensor"):
         C.pack([torch.ones(2)], flat, 1.0)
+
+
+def test_reduce_bucket_orders_its_streams(comm):
+    """One DDP bucket in one call: the pack (scale and cast fused) waits for gradients still being
+    made on the current stream, the all-reduce for the pack; Work.wait() orders the caller after both."""
+    pack_stream = torch.cuda.Stream(priority=-1)
+    sizes = [5, 4096, 1, 333]
+    base = [make(torch.float32, n, offset=i) for i, n in enumerate(sizes)]
+    flat = torch.full((sum(sizes),), -7.0, device="cuda", dtype=torch.bfloat16)     # a bf16 wire
+    gpu_sleep(0.2)
+    grads = [g * 2 for g in base]                 # queued behind the sleep
+    seq = comm.seq
+    work = comm.reduce_bucket(grads, flat, 0.25, pack_stream.cuda_stream)
+    assert isinstance(work, C.Work) and work.op == "reduce_bucket" and comm.seq == seq + 1
+    assert not work.is_completed()                # still behind the sleeping current stream
+    work.wait()
+    seen = flat.clone()                           # ordered after the all-reduce by wait()
+    torch.cuda.synchronize()
+    expected = torch.cat([(g * 0.5).to(torch.bfloat16) for g in base])   # world size 1: SUM is the identity
+    assert torch.equal(seen, expected) and torch.equal(flat, expected)
+
+    # Gradients that already are the buffer (bucket views): scale 1 copies nothing, else in place.
+    flat32 = torch.cat(base)
+    views = list(flat32.split(sizes))
+    comm.reduce_bucket(views, flat32, 1.0, pack_stream.cuda_stream).wait()
+    comm.reduce_bucket(views, flat32, 0.5, pack_stream.cuda_stream).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(flat32, torch.cat(base) * 0.5)
+
+
+def test_reduce_bucket_checks_before_enqueueing(comm):
+    s = torch.cuda.Stream().cuda_stream
+    flat = torch.zeros(8, device="cuda")
+    seq = comm.seq
+    with pytest.raises(TypeError, match=r"reduce_bucket: tensors\[1\] has dtype"):
+        comm.reduce_bucket([torch.ones(2, device="cuda"), torch.ones(2, device="cuda", dtype=torch.half)], flat, 1.0, s)
+    with pytest.raises(ValueError, match="reduce_bucket: tensors hold 9 elements in total, but flat has 8"):
+        comm.reduce_bucket([torch.ones(4, device="cuda"), torch.ones(5, device="cuda")], flat, 1.0, s)
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        comm.reduce_bucket([torch.ones(2)], flat, 1.0, s)
+    with pytest.raises(ValueError, match="must be a side stream"):
+        comm.reduce_bucket([torch.ones(2, device="cuda")], flat, 1.0, 0)
+    assert comm.seq == seq                        # nothing was enqueued

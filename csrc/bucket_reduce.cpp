@@ -1,0 +1,48 @@
+// Communicator::reduce_bucket: one DDP gradient bucket enqueued in one call (the CUDA path of
+// pynccl/ddp_reducer.py with a built-in SUM hook), so that backward's hook pays one Python->C++
+// crossing per bucket instead of a stream switch, events, a pack and a collective call.
+//
+//   pack stream:   waits for the caller's stream; packs grads into flat (scale and cast fused)
+//   comm stream:   waits for the pack stream; all-reduces flat (SUM), async
+//
+// Nothing here blocks the host. The returned Work's wait() orders the caller's stream after the
+// all-reduce (and so after the pack); the caller keeps grads alive until then.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "bucket.h"
+#include "check.h"
+#include "communicator.h"
+#include "dtypes.h"
+
+namespace pynccl {
+
+std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>& grads, const at::Tensor& flat,
+                                                  double scale, int64_t pack_stream) {
+  static const char* const kFn = "reduce_bucket";
+  // Every check before anything is enqueued.
+  const BucketCopy pack(kFn, grads, flat, scale, /*to_flat=*/true);
+  PYNCCL_CHECK_VALUE(pack_stream != 0, kFn,
+                    ": pack_stream must be a side stream (torch.cuda.Stream.cuda_stream), not the legacy default "
+                    "stream (0)");
+  check_usable(kFn);
+  const auto device = static_cast<c10::DeviceIndex>(device_);
+  c10::cuda::CUDAGuard guard(device);
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device);
+  const c10::cuda::CUDAStream packer =
+      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(pack_stream), device);
+
+  // The pack stream starts after everything already queued on the caller's stream (the grads).
+  cudaEvent_t ready = events_->get();
+  const cudaError_t record_err = cudaEventRecord(ready, caller.stream());
+  const cudaError_t wait_err = record_err == cudaSuccess ? cudaStreamWaitEvent(packer.stream(), ready, 0) : cudaSuccess;
+  events_->put(ready);  // NOTE: the wait captured the record; the event may be reused now
+  PYNCCL_CHECK_CUDA(record_err);
+  PYNCCL_CHECK_CUDA(wait_err);
+  pack.launch(packer.stream());
+
+  c10::cuda::CUDAStreamGuard on_packer(packer);  // the all-reduce is ordered after the pack
+  return all_reduce_impl(kFn, flat, static_cast<int>(ReduceOp::kSum), /*async_op=*/true, 1.0, nullptr);
+}
+
+}  // namespace pynccl
