@@ -100,8 +100,12 @@ class Trainer:
             model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index], process_group=torch_pg,
                                                         gradient_as_bucket_view=grad_view)
         elif mode.startswith("pynccl"):
+            prio0 = mode.startswith(COMM_PRIO0) or mode.startswith(ALL_PRIO0)
             model = self.ddp = pynccl.DistributedDataParallel(model, device_ids=[device.index],
-                                                              gradient_as_bucket_view=grad_view)
+                                                              gradient_as_bucket_view=grad_view,
+                                                              process_group=args.prio0_group if prio0 else None)
+            if mode.startswith(ALL_PRIO0):
+                self.ddp.reducer.pack_stream = torch.cuda.Stream(device)
             # The default hook, as a user has it: a bucket is one C++ call, except in the
             # PY_PATH mode, which runs the same streams and kernels through Python.
             self.ddp.reducer.allow_fused = PY_PATH not in mode
@@ -339,8 +343,11 @@ def profile_steps(trainers, outdir, rank, steps=3):
 
 # ----------------------------------------------------------------------------- driver
 PY_PATH = "pynccl DDP py-path"                   # eager, buckets through Python (reducer.allow_fused = False)
-MODES = ["no DDP", "torch DDP", "pynccl DDP", PY_PATH, "no DDP + graph", "pynccl DDP + graph"]
-DDP_MODES = ["torch DDP", "pynccl DDP", PY_PATH, "pynccl DDP + graph"]  # once per gradient_as_bucket_view setting
+COMM_PRIO0 = "pynccl DDP comm-prio0"             # eager, the communicator's stream at normal priority
+ALL_PRIO0 = "pynccl DDP all-prio0"               # ... and the pack stream too
+PRIO_MODES = [COMM_PRIO0, ALL_PRIO0]
+MODES = ["no DDP", "torch DDP", "pynccl DDP", PY_PATH, COMM_PRIO0, ALL_PRIO0, "no DDP + graph", "pynccl DDP + graph"]
+DDP_MODES = ["torch DDP", "pynccl DDP", PY_PATH, COMM_PRIO0, ALL_PRIO0, "pynccl DDP + graph"]  # per grad-view setting
 VIEW = " [view]"                                                  # suffix of gradient_as_bucket_view=True modes
 
 
@@ -348,12 +355,12 @@ def grad_view_settings(arg):
     return {"off": [False], "on": [True], "both": [False, True]}[arg]
 
 
-def mode_names(settings, skip, compare_py_path=False):
+def mode_names(settings, skip, compare_py_path=False, compare_priority=False):
     """Mode names in run order; a DDP mode gets VIEW appended when gradient_as_bucket_view=True
     (both DDPs, so torch DDP and pynccl DDP are always compared under the same setting)."""
     names = []
     for m in MODES:
-        if m in skip or (m == PY_PATH and not compare_py_path):
+        if m in skip or (m == PY_PATH and not compare_py_path) or (m in PRIO_MODES and not compare_priority):
             continue
         if m in DDP_MODES:
             names.extend(m + (VIEW if v else "") for v in settings)
@@ -395,7 +402,11 @@ def _measure(rank, world_size, args, device, torch_pg):
     batch = tuple(torch.randint(0, 50257, (args.batch, args.seq), generator=g).to(device) for _ in range(2))
     settings = grad_view_settings(args.grad_view)
     trainers = {}
-    for m in mode_names(settings, args.skip, args.compare_py_path):
+    if args.compare_priority:                           # a communicator whose stream has normal priority
+        os.environ["PYNCCL_COMM_STREAM_HIGH_PRIORITY"] = "0"
+        args.prio0_group = pynccl.new_group()
+        del os.environ["PYNCCL_COMM_STREAM_HIGH_PRIORITY"]
+    for m in mode_names(settings, args.skip, args.compare_py_path, args.compare_priority):
         _progress(rank, f"building '{m}'")
         trainers[m] = Trainer(m, args, device, torch_pg, batch)
     for m, tr in trainers.items():
@@ -530,6 +541,9 @@ def main():
                         "called from Python instead of one C++ call")
     p.add_argument("--phases", type=int, default=0, metavar="STEPS",
                    help="also time STEPS eager steps per mode phase by phase (GPU events and host clocks)")
+    p.add_argument("--compare-priority", action="store_true",
+                   help=f"also time '{COMM_PRIO0}' (a communicator made with PYNCCL_COMM_STREAM_HIGH_PRIORITY=0) and "
+                        f"'{ALL_PRIO0}' (the pack stream at normal priority too)")
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn (one GPU each) when not under torchrun")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--stacks-after", type=float, default=0, metavar="S",
@@ -537,6 +551,7 @@ def main():
     p.add_argument("--profile", metavar="DIR", help="also profile 3 eager steps of each eager mode: GPU idle time "
                    "and its largest gaps are reported; chrome traces (rank 0) go to DIR")
     args = p.parse_args()
+    args.prio0_group = None                             # set in the workers by --compare-priority
     if not torch.cuda.is_available():
         sys.exit("ddp_bench: needs CUDA GPUs (pynccl DDP on gloo is exercised by tests/test_ddp.py)")
     # NOTE: decided here: run_multiprocess sets RANK in the processes it spawns as well.

@@ -3,8 +3,9 @@
 # order, each with min(its cap, what is left); logs go to OUTDIR.
 #   BUDGET=580 benchmarks/run_multi_gpu_session.sh a OUTDIR   build, every multigpu test at N GPUs and
 #                                                            at 2 side by side, ddp_bench at N and at 2
-#   BUDGET=500 benchmarks/run_multi_gpu_session.sh b OUTDIR   pp_bench, zero_memory at N, the collective
-#                                                            sweep (eager and -G, 8 B to BENCH_MAX)
+#   BUDGET=500 benchmarks/run_multi_gpu_session.sh b OUTDIR   ddp_bench's stream-priority A/B at N, pp_bench,
+#                                                            zero_memory at N, the collective sweep (eager
+#                                                            and -G, 8 B to BENCH_MAX)
 set -uo pipefail
 PHASE=${1:?usage: run_multi_gpu_session.sh a|b OUTDIR}
 O=${2:?usage: run_multi_gpu_session.sh a|b OUTDIR}
@@ -31,11 +32,14 @@ if [ "$PHASE" = a ]; then
   step ddp_bench2 80 torchrun --nproc_per_node 2 benchmarks/ddp_bench.py --repeats 3 --json "$O/ddp_bench2.json"
   grep -v "^# \[" "$O/ddp_bench2.log" | head -14
 else
+  step ddp_prio 80 torchrun --nproc_per_node "$N" benchmarks/ddp_bench.py --compare-priority --repeats 4 \
+    --json "$O/ddp_prio.json"
+  grep -v "^# \[" "$O/ddp_prio.log" | grep -v "^W1" | head -18
   step pp_bench 60 python3 benchmarks/pp_bench.py --backend nccl --nproc "$N"
   tail -8 "$O/pp_bench.log"
   step zero_memory 70 torchrun --nproc_per_node "$N" benchmarks/zero_memory.py --device cuda
   sed -n '1,22p' "$O/zero_memory.log"
   BENCH_MAX=${BENCH_MAX:-1G} BENCH_ITERS=${BENCH_ITERS:-20} BENCH_WARMUP=${BENCH_WARMUP:-5} BENCH_REPS=${BENCH_REPS:-3} \
-    BENCH_SKIP_CPUTIME=1 step sweep 400 benchmarks/run_multi_gpu.sh "$O/sweep" "$N"
+    BENCH_SKIP_CPUTIME=1 step sweep "${SWEEP_CAP:-300}" benchmarks/run_multi_gpu.sh "$O/sweep" "$N"
   sed -n '/== summary/,$p' "$O/sweep.log"
 fi

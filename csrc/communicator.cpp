@@ -170,7 +170,9 @@ void Communicator::start_or_abort() {
 
 void Communicator::start() {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  comm_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, static_cast<c10::DeviceIndex>(device_));
+  // PYNCCL_COMM_STREAM_HIGH_PRIORITY=0: the communicator's stream at normal priority (torch's default).
+  const bool high_priority = env_int("PYNCCL_COMM_STREAM_HIGH_PRIORITY", 1) != 0;
+  comm_stream_ = c10::cuda::getStreamFromPool(high_priority, static_cast<c10::DeviceIndex>(device_));
   events_ = std::make_shared<EventPool>(device_, /*num_preallocated=*/16);
   ring_.resize(static_cast<size_t>(std::max(1, env_int("PYNCCL_FLIGHT_RECORDER_SIZE", 64))));
   use_native_alltoall_ = env_int("PYNCCL_NATIVE_ALLTOALL", 1) != 0;
