@@ -20,7 +20,9 @@ same step is printed too (it adds activations and temporaries; the batch is kept
 the implementation allocates and frees (expected_peak); "named" = expected - formula, listed by
 role (fp32 gradient shards, reduce-scatter buffers, gathered units, padding); "ratio" =
 measured / (formula + named). On CUDA the same is done for max_memory_allocated, with the
-activations and backward temporaries of the unwrapped bf16 model (same batch) named too.
+activations and backward temporaries of the unwrapped bf16 model (same batch) named too: they
+are held while backward makes its last gradient, so the expected peak is the larger of the
+model-state peak and the model states at that moment (replayed too) plus those temporaries.
 """
 import argparse
 import datetime
@@ -90,6 +92,11 @@ class _Timeline:
         self.held = dict.fromkeys(ROLES, 0)
         self.held.update(held)
         self.peak = dict(self.held)
+        self.marks = {}
+
+    def mark(self, name):
+        """Remember the total held now, as `name`."""
+        self.marks[name] = sum(self.held.values())
 
     def add(self, role, nbytes):
         self.held[role] += nbytes
@@ -97,7 +104,8 @@ class _Timeline:
             self.peak = dict(self.held)
 
 
-def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce=2, master=4, optim_per_elem=8):
+def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce=2, master=4, optim_per_elem=8,
+                  marks=None):
     """{role: bytes} at the largest point of one training step, replayed from the shard layouts
     in the order the implementation allocates and frees (pynccl/zero/stage12.py, stage3.py,
     flat_unit.py): what the implementation is built to hold, to set against the measurement.
@@ -105,7 +113,9 @@ def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce
     units: the wrapper's units (stage 1/2: in reduce order, = backward order); stage 3: `root`,
     the root unit's index (None if there is none) and `forward_order`, the other units' indices
     as forward runs them. Element sizes in bytes: compute and reduce dtypes (bf16), master dtype
-    and optimizer state per element (AdamW: two fp32 moments)."""
+    and optimizer state per element (AdamW: two fp32 moments). If `marks` is a dict, it gets
+    "last_grad": the total held when backward makes its last gradient (before that gradient's
+    reduction starts), where backward's own temporaries peak too (see measure_unwrapped)."""
     P = [u.layout.padded_numel for u in units]
     S = [u.layout.shard_numel for u in units]
     numel = [u.layout.numel for u in units]
@@ -146,6 +156,8 @@ def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce
         own = [len(u.layout.slots) == 1 and numel[i] == P[i] and compute == reduce for i, u in enumerate(units)]
         for i in range(len(units)):                   # backward: the bucket's gradients appear
             tl.add("grads_unreduced", compute * numel[i])
+            if i == len(units) - 1:
+                tl.mark("last_grad")
             if stage == 2:
                 launch(i, compute * numel[i], inp_is_grad=own[i])
         if stage == 1:                                # reduced after backward, bucket by bucket
@@ -169,13 +181,18 @@ def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce
             if prev is not None:
                 tl.add("params_full", compute * P[prev])      # prefetched for its backward
             tl.add("grads_unreduced", compute * P[i])
+            if root is None and k == len(order) - 1:
+                tl.mark("last_grad")
             launch(i, compute * P[i], inp_is_grad=compute == reduce)
             tl.add("params_full", -compute * P[i])
-        if root is not None:
+        if root is not None:                          # the root (embeddings) completes last
+            tl.mark("last_grad")
             launch(root, compute * P[root], inp_is_grad=compute == reduce)
             tl.add("params_full", -compute * P[root])
     while in_flight:
         finish()
+    if marks is not None:
+        marks.update(tl.marks)
     return tl.peak
 
 
@@ -250,11 +267,12 @@ def measure(stage, args, device):
     opt.step()
     sampler.sample()
     rt = model._runtime
+    marks = {}
     expected = expected_peak(stage, model.units, root=rt.root.index if stage == 3 and rt.root is not None else None,
-                             forward_order=[u.index for u in rt.forward_order] if stage == 3 else None)
+                             forward_order=[u.index for u in rt.forward_order] if stage == 3 else None, marks=marks)
     n = model.process_group.world_size
     result = dict(stage=stage, num_params=num_params, peak=sampler.peak, expected=expected,
-                  named=named_items(stage, n, num_params, expected))
+                  named=named_items(stage, n, num_params, expected), expected_at_last_grad=marks["last_grad"])
     if cuda:
         torch.cuda.synchronize()
         result["cuda_max_allocated"] = torch.cuda.max_memory_allocated() - base
@@ -265,8 +283,10 @@ def measure(stage, args, device):
 
 def measure_unwrapped(args, device):
     """Activations and backward temporaries of one step of the model in bf16, unwrapped (CUDA):
-    the peak allocated beyond its parameters and gradients. ZeRO adds the same on top of
-    model states, so it is named in the GPU comparison."""
+    the peak allocated beyond its parameters and gradients. ZeRO adds the same on top of the
+    model states held at that moment. For this batch (1 x 64 tokens) activations are small and
+    the peak is backward's end, where the tied embedding's two bf16 gradients (head and
+    embedding, 50304 x 768 each) are summed: the replay's "last_grad" mark."""
     net, loss_fn = make_model(args, device)
     net.to(device=device, dtype=torch.bfloat16)
     loss_fn(net).backward()                           # warm-up (cuBLAS workspaces, etc.)
@@ -322,15 +342,20 @@ def print_report(per_rank, device_name, show_items=True):
               f"{p['optim'] * mib:>9.2f} {p['total'] * mib:>9.2f} {p['total'] / psi:>6.2f} {formula * mib:>9.2f} "
               f"{named * mib:>8.2f} {p['total'] / (formula + named):>6.3f}")
     if cuda:
-        print("\n# torch.cuda.max_memory_allocated over the step: it adds activations and backward temporaries, "
-              "named here as measured on the unwrapped bf16 model with the same batch")
-        print(f"{'N':>2} {'stage':>5} {'rank':>4} {'cuda max':>9} {'formula':>9} {'named':>8} {'activ.':>8} "
-              f"{'ratio':>6}")
+        print("\n# torch.cuda.max_memory_allocated over the step: it adds activations and backward temporaries "
+              "(activ., measured on the unwrapped bf16 model with the same batch), which are held while backward "
+              "makes its last gradient; expected = max(formula + named, model states then + activ.); bound = "
+              "formula + named + activ., as if both peaks coincided")
+        print(f"{'N':>2} {'stage':>5} {'rank':>4} {'cuda max':>9} {'formula':>9} {'named':>8} {'at last':>8} "
+              f"{'activ.':>8} {'expected':>9} {'ratio':>6} {'/ bound':>7}")
         for r, n, res, psi, formula, named in rows(per_rank):
             act = r.get("activations") or 0
             m = res["cuda_max_allocated"]
+            at_last = res["expected_at_last_grad"]
+            expected = max(formula + named, at_last + act)
             print(f"{n:>2} {res['stage']:>5} {r['rank']:>4} {m * mib:>9.2f} {formula * mib:>9.2f} {named * mib:>8.2f} "
-                  f"{act * mib:>8.2f} {m / (formula + named + act):>6.3f}")
+                  f"{at_last * mib:>8.2f} {act * mib:>8.2f} {expected * mib:>9.2f} {m / expected:>6.3f} "
+                  f"{m / (formula + named + act):>7.3f}")
     print("\n# what is held at the peak, by role (MiB), measured / expected: full = compute-dtype parameters "
           "(stage 3: gathered units), shard = fp32 masters; grads unreduced / in flight (reduce-scatter buffers) / "
           "fp32 shards")
