@@ -117,11 +117,14 @@ class Trainer:
         if "+ graph" in mode:
             self._capture()
 
-    def eager_step(self):
-        self.opt.zero_grad(set_to_none=True)
+    def forward_loss(self):
         with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast, cache_enabled=False):
             logits = self.model(self.x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), self.y.view(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), self.y.view(-1))
+
+    def eager_step(self):
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.forward_loss()
         loss.backward()
         self.opt.step()
         return loss
@@ -134,9 +137,7 @@ class Trainer:
         ev[0].record()
         host[0] = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast, cache_enabled=False):
-            logits = self.model(self.x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), self.y.view(-1))
+        loss = self.forward_loss()
         ev[1].record()
         host[1] = time.perf_counter()
         loss.backward()
@@ -158,9 +159,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast, cache_enabled=False):
-                logits = self.model(self.x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), self.y.view(-1))
+            loss = self.forward_loss()
             loss.backward()
             self.opt.step()
 
@@ -175,9 +174,7 @@ class Trainer:
         last gradient made, on the compute stream), and backward's length (the end includes
         waiting for and unpacking the buckets)."""
         self.opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", torch.bfloat16, enabled=self.autocast, cache_enabled=False):
-            logits = self.model(self.x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), self.y.view(-1))
+        loss = self.forward_loss()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         events = []
         bucketer = self.ddp.reducer.bucketer

@@ -33,12 +33,7 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
       c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(pack_stream), device);
 
   // The pack stream starts after everything already queued on the caller's stream (the grads).
-  cudaEvent_t ready = events_->get();
-  const cudaError_t record_err = cudaEventRecord(ready, caller.stream());
-  const cudaError_t wait_err = record_err == cudaSuccess ? cudaStreamWaitEvent(packer.stream(), ready, 0) : cudaSuccess;
-  events_->put(ready);  // NOTE: the wait captured the record; the event may be reused now
-  PYNCCL_CHECK_CUDA(record_err);
-  PYNCCL_CHECK_CUDA(wait_err);
+  order_after(packer.stream(), caller.stream());
   pack.launch(packer.stream());
 
   c10::cuda::CUDAStreamGuard on_packer(packer);  // the all-reduce is ordered after the pack

@@ -149,6 +149,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   friend class Work;
 
   void start();  // stream, event pool, flight recorder, watchdog
+  // `waiter` runs what is enqueued on it next only after everything already queued on
+  // `producer` (an event of the pool, recorded and waited on; graph-capturable).
+  void order_after(cudaStream_t waiter, cudaStream_t producer);
   void start_or_abort();
   std::shared_ptr<Work> all_reduce_impl(const char* fn, const at::Tensor& tensor, int op, bool async_op,
                                         double premul_factor, const at::Tensor* output);

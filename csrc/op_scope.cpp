@@ -23,14 +23,7 @@ OpScope::OpScope(Communicator& owner, const char* op, c10::ScalarType dtype, int
     }
     if (async_op_) {
       // The comm stream starts after everything already queued on the caller's stream.
-      cudaEvent_t ready = owner_.events_->get();
-      const cudaError_t record_err = cudaEventRecord(ready, current.stream());
-      const cudaError_t wait_err = record_err == cudaSuccess
-                                       ? cudaStreamWaitEvent(owner_.comm_stream_->stream(), ready, 0)
-                                       : cudaSuccess;
-      owner_.events_->put(ready);  // NOTE: the wait captured the record; the event may be reused now
-      PYNCCL_CHECK_CUDA(record_err);
-      PYNCCL_CHECK_CUDA(wait_err);
+      owner_.order_after(owner_.comm_stream_->stream(), current.stream());
       stream_ = *owner_.comm_stream_;
     } else {
       stream_ = current;
@@ -71,6 +64,15 @@ std::shared_ptr<Work> OpScope::finish() {
   finished_ = true;
   if (!async_op_) return nullptr;
   return std::make_shared<Work>(owner_.shared_from_this(), std::move(work));
+}
+
+void Communicator::order_after(cudaStream_t waiter, cudaStream_t producer) {
+  cudaEvent_t ready = events_->get();
+  const cudaError_t record_err = cudaEventRecord(ready, producer);
+  const cudaError_t wait_err = record_err == cudaSuccess ? cudaStreamWaitEvent(waiter, ready, 0) : cudaSuccess;
+  events_->put(ready);  // NOTE: the wait captured the record; the event may be reused now
+  PYNCCL_CHECK_CUDA(record_err);
+  PYNCCL_CHECK_CUDA(wait_err);
 }
 
 void OpScope::record_entry(OpState state, int64_t enqueue_us) {

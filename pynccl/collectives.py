@@ -75,14 +75,20 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     return g.backend.all_gather(list(tensor_list), tensor, async_op)
 
 
+def _check_flat_pair(fn: str, output: torch.Tensor, input: torch.Tensor, n: int, output_is_whole: bool):
+    """The one-tensor all-gather / reduce-scatter: output and input tensors of one dtype, the
+    whole one n times the size of the per-rank one."""
+    _check_tensor(fn, "output", output)
+    _check_tensor(fn, "input", input)
+    whole_name, whole, part_name, part = ("output", output, "input", input) if output_is_whole else \
+        ("input", input, "output", output)
+    _check_same(fn, part_name, part, whole_name, whole)
+    _check_size_multiple(fn, whole_name, whole, part_name, part, n)
+
+
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     g = _group(group)
-    n = g.backend.world_size
-    fn = "all_gather_into_tensor"
-    _check_tensor(fn, "output", output_tensor)
-    _check_tensor(fn, "input", input_tensor)
-    _check_same(fn, "input", input_tensor, "output", output_tensor)
-    _check_size_multiple(fn, "output", output_tensor, "input", input_tensor, n)
+    _check_flat_pair("all_gather_into_tensor", output_tensor, input_tensor, g.backend.world_size, output_is_whole=True)
     return g.backend.all_gather_into_tensor(output_tensor, input_tensor, async_op)
 
 
@@ -98,12 +104,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
     g = _group(group)
-    n = g.backend.world_size
-    fn = "reduce_scatter_tensor"
-    _check_tensor(fn, "output", output)
-    _check_tensor(fn, "input", input)
-    _check_same(fn, "output", output, "input", input)
-    _check_size_multiple(fn, "input", input, "output", output, n)
+    _check_flat_pair("reduce_scatter_tensor", output, input, g.backend.world_size, output_is_whole=False)
     return g.backend.reduce_scatter_tensor(output, input, op, async_op)
 
 
