@@ -65,13 +65,17 @@ def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
     return g.backend.reduce(tensor, g.group_rank(dst, "dst"), op, async_op)
 
 
+def _check_list_pair(fn: str, name: str, t: torch.Tensor, list_name: str, lst, n: int):
+    """The list all-gather / reduce-scatter: n tensors shaped like `t` (dtype and size)."""
+    _check_tensor(fn, name, t)
+    _check_list(fn, list_name, lst, n)
+    for i, x in enumerate(lst):
+        _check_same(fn, name, t, f"{list_name}[{i}]", x, t.numel())
+
+
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     g = _group(group)
-    n = g.backend.world_size
-    _check_tensor("all_gather", "tensor", tensor)
-    _check_list("all_gather", "tensor_list", tensor_list, n)
-    for i, t in enumerate(tensor_list):
-        _check_same("all_gather", "tensor", tensor, f"tensor_list[{i}]", t, tensor.numel())
+    _check_list_pair("all_gather", "tensor", tensor, "tensor_list", tensor_list, g.backend.world_size)
     return g.backend.all_gather(list(tensor_list), tensor, async_op)
 
 
@@ -94,11 +98,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     g = _group(group)
-    n = g.backend.world_size
-    _check_tensor("reduce_scatter", "output", output)
-    _check_list("reduce_scatter", "input_list", input_list, n)
-    for i, t in enumerate(input_list):
-        _check_same("reduce_scatter", "output", output, f"input_list[{i}]", t, output.numel())
+    _check_list_pair("reduce_scatter", "output", output, "input_list", input_list, g.backend.world_size)
     return g.backend.reduce_scatter(output, list(input_list), op, async_op)
 
 
