@@ -23,6 +23,7 @@ _LAZY = {
     "SyncBatchNorm": "pynccl.ddp",
     "FullyShardedDataParallel": "pynccl.zero",
     "MixedPrecision": "pynccl.zero",
+    "clip_grad_norm_": "pynccl.zero",
     "ParallelMesh": "pynccl.mesh",
 }
 

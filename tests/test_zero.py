@@ -147,7 +147,12 @@ def _exactness(rank, ws):
     plain, (clipped, ref_norms), accum = reference()[0], reference(clip=0.5), reference(accum=2)[0]
     for stage in (1, 2, 3):
         model, opt = wrap(stage)
-        assert [p.numel() for p in model.parameters()] == [u.layout.shard_numel for u in model.units]
+        # The module's own parameters, original names and dims, each holding this rank's rows.
+        plain_params = dict(make_net().named_parameters())
+        assert [(n, p.dim()) for n, p in model.named_parameters()] == \
+            [("module." + n, p.dim()) for n, p in plain_params.items()]
+        assert sum(p.numel() for p in model.parameters()) <= sum(u.layout.shard_numel for u in model.units)
+        assert all(p.shape[1:] == plain_params[n[len("module."):]].shape[1:] for n, p in model.named_parameters())
         train(model, opt, range(STEPS), rank, ws)
         assert_close(model.full_state_dict(), plain, f"stage {stage} ws {ws}")
         if stage == 3:
@@ -395,19 +400,38 @@ def test_full_checkpoint_loads_into_plain_model(ws4_checkpoint):
 
 def test_flat_layout_uneven_shards():
     lay = FlatLayout(["a", "b", "c"], [torch.Size([2, 3]), torch.Size([5]), torch.Size([])], [0, 1, 2], world_size=4)
-    assert (lay.numel, lay.padded_numel, lay.shard_numel, lay.split_sizes) == (12, 12, 3, [6, 5, 1, 0])
+    assert (lay.numel, lay.padded_numel, lay.shard_numel, lay.split_sizes) == (12, 12, 3, [0, 6, 0, 5, 0, 1, 0])
+    # (2, 3) would be cut inside its second row at element 4: one element of padding moves it
+    # so the boundary falls between its rows.
     lay = FlatLayout(["a", "b"], [torch.Size([2, 3]), torch.Size([5])], [0, 1], world_size=3)
-    assert (lay.padded_numel, lay.shard_numel, lay.split_sizes) == (12, 4, [6, 5, 1])
-    assert lay.shard_pieces(0) == [(0, 0, 0, 4)]
-    assert lay.shard_pieces(1) == [(0, 4, 0, 2), (1, 0, 2, 2)]
-    assert lay.shard_pieces(2) == [(1, 2, 0, 3)]                     # last element is padding
+    assert (lay.padded_numel, lay.shard_numel, lay.split_sizes) == (12, 4, [1, 6, 0, 5, 0])
+    assert lay.shard_pieces(0) == [(0, 0, 1, 3)]
+    assert lay.shard_pieces(1) == [(0, 3, 0, 3), (1, 0, 3, 1)]
+    assert lay.shard_pieces(2) == [(1, 1, 0, 4)]
     a, b = torch.arange(6.).view(2, 3), torch.arange(10., 15.)
     shards = []
     for r in range(3):
         out = torch.full((4,), -1.)
         lay.shard_from_params(r, [a, b], out)
         shards.append(out)
-    assert torch.cat(shards).tolist() == list(range(6)) + list(range(10, 15)) + [0.]
+        assert [tuple(v.shape) for v in lay.local_views(r, out)] == [[(1, 3), (0,)], [(1, 3), (1,)], [(0, 3), (4,)]][r]
+        assert [lay.local_part(r, i, t).tolist() for i, t in enumerate((a, b))] == \
+            [v.tolist() for v in lay.local_views(r, out)]
+    assert torch.cat(shards).tolist() == [0.] + list(range(6)) + list(range(10, 15))
+    # A parameter spanning two boundaries makes the shard a whole number of its rows.
+    lay = FlatLayout(["w"], [torch.Size([9, 5])], [0], world_size=4)
+    assert (lay.shard_numel, [tuple(v.shape) for v in lay.local_views(1, torch.zeros(lay.shard_numel))]) == \
+        (15, [(3, 5)])
+    # Every rank's piece of every parameter is whole rows, for shapes nobody chose to be nice.
+    shapes = [torch.Size(s) for s in [(7, 3), (13,), (5, 2, 3), (), (11, 4), (3, 7)]]
+    for ws in (1, 2, 3, 4, 5, 8):
+        lay = FlatLayout([str(i) for i in range(len(shapes))], shapes, list(range(len(shapes))), world_size=ws)
+        assert lay.padded_numel < 2 * lay.numel + 8 * ws, (ws, lay)
+        for r in range(ws):
+            for p in lay.shard_pieces(r):
+                row = lay.slots[p.slot_idx].row_numel
+                assert p.param_start % row == 0 and p.numel % row == 0, (ws, r, p)
+        assert sum(p.numel for r in range(ws) for p in lay.shard_pieces(r)) == lay.numel
     assert FlatLayout(["x"], [torch.Size([1])], [0], world_size=4).padded_numel == 4    # >= 1 element per rank
     assert FlatLayout.from_metadata(lay.metadata()) == lay
     with pytest.raises(ValueError, match="multiple of world_size"):

@@ -9,14 +9,15 @@ Files, one responsibility each:
   stage12.py         stages 1 and 2 (replicated params, GradBucketer buckets)
   stage3.py          stage 3 (per-unit gather, prefetch, saved-tensor hooks)
   mixed_precision.py MixedPrecision policy
-  clip.py            global-norm gradient clipping over shards
+  clip.py            global-norm gradient clipping that knows which tensors are shards
   state_dict.py      full (consolidated) model/optimizer state dicts, load at any size/stage
   checkpoint.py      crash-safe sharded save/load, resharding
   memory.py          bytes held in params/grads/optimizer state
   fsdp.py            FullyShardedDataParallel
 """
+from .clip import clip_grad_norm_
 from .fsdp import FullyShardedDataParallel
 from .layout import FlatLayout
 from .mixed_precision import MixedPrecision
 
-__all__ = ["FullyShardedDataParallel", "MixedPrecision", "FlatLayout"]
+__all__ = ["FullyShardedDataParallel", "MixedPrecision", "FlatLayout", "clip_grad_norm_"]

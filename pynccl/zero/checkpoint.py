@@ -27,7 +27,7 @@ from . import state_dict as sd
 from .layout import FlatLayout
 from .params import named_buffers_all
 
-FORMAT = "pynccl.zero.sharded/1"
+FORMAT = "pynccl.zero.sharded/2"     # /2: optimizer state per original parameter (row shards)
 _FILE_RE = re.compile(r"rank(\d+)-of-(\d+)\.pt$")
 
 
@@ -51,8 +51,9 @@ def _agree(model, ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _shard_positions(model, optimizer) -> List[int]:
-    return [u.index for units in sd._shard_units(model, optimizer) for u in units]
+def _param_positions(model, optimizer) -> List[int]:
+    """The original module.parameters() position of each optimizer parameter, in order."""
+    return [sd.param_index_of(e) for row in sd.optimizer_params(model, optimizer) for e in row]
 
 
 def save_sharded(model, path: str, optimizer=None) -> None:
@@ -71,7 +72,7 @@ def save_sharded(model, path: str, optimizer=None) -> None:
                        if info.frozen_master is not None},
             "buffers": {name: b.detach().cpu() for name, b in named_buffers_all(model.module)},
             "optimizer": None if optimizer is None else _to_cpu(optimizer.state_dict()),
-            "optimizer_units": None if optimizer is None else _shard_positions(model, optimizer),
+            "optimizer_params": None if optimizer is None else _param_positions(model, optimizer),
         }
         atomic_save(payload, staged)                # temp file + fsync + rename: never half-written
     except Exception as e:  # noqa: BLE001 - every rank must reach the vote below
@@ -98,8 +99,12 @@ def _to_cpu(obj):
 
 def _read(file: str) -> dict:
     payload = torch.load(file, map_location="cpu", weights_only=True)
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+    if not isinstance(payload, dict) or not str(payload.get("format", "")).startswith("pynccl.zero.sharded/"):
         raise ValueError(f"load_sharded: {file} is not a pynccl.zero sharded checkpoint")
+    if payload["format"] != FORMAT:
+        raise ValueError(f"load_sharded: {file} is a {payload['format']} checkpoint, this pynccl reads {FORMAT}; "
+                         f"load it with the pynccl that wrote it and save full_state_dict() / "
+                         f"full_optim_state_dict() instead, which any version loads")
     return payload
 
 
@@ -130,14 +135,15 @@ def load_sharded(model, path: str, optimizer=None) -> None:
     payload = _read(mine) if os.path.exists(mine) else None
     same = (payload is not None and payload["world_size"] == g.world_size
             and payload["units"] == [u.layout.metadata() for u in model.units]
-            and (optimizer is None or payload["optimizer_units"] == _shard_positions(model, optimizer)))
+            and (optimizer is None or payload["optimizer_params"] == _param_positions(model, optimizer)))
     if _agree(model, same):
         tokens = [None] * g.world_size
         dist.all_gather_object(tokens, payload["token"], group=g)
         _check_tokens(tokens, path)
         with torch.no_grad():
             for unit, shard in zip(model.units, payload["shards"]):
-                unit.shard.detach().copy_(shard)
+                unit.check_params()
+                unit.shard.copy_(shard)
             for info in model._param_infos:
                 if info.frozen_master is not None:
                     info.frozen_master.copy_(payload["frozen"][info.name])
@@ -147,6 +153,7 @@ def load_sharded(model, path: str, optimizer=None) -> None:
             if payload["optimizer"] is None:
                 raise ValueError(f"load_sharded: {mine} was saved without optimizer state")
             optimizer.load_state_dict(payload["optimizer"])
+        model._runtime.mark_stale()
         return
     # Different world size or layout: rebuild the full state from every rank's file.
     payloads = [_read(f) for f in _saved_files(path)]
@@ -172,12 +179,35 @@ def consolidate(payloads: List[dict]):
     model_sd.update(p0["buffers"])
     if p0["optimizer"] is None:
         return model_sd, None
-    units_of_pos = p0["optimizer_units"]
+    # Each rank holds a range of whole rows of each parameter, in rank order: the full tensor
+    # of a per-element entry is the ranks' pieces end to end. Frozen parameters are whole everywhere.
+    shapes = {s.param_index: s.shape for lay in layouts for s in lay.slots}
+    positions = p0["optimizer_params"]
     state = {}
-    for pos, u_idx in enumerate(units_of_pos):
+    for pos, index in enumerate(positions):
         per_rank = [p["optimizer"]["state"].get(pos, {}) for p in payloads]
-        full_of = lambda key, v, pr=per_rank: torch.cat([st[key] for st in pr])  # noqa: E731
-        state.update(sd.unflatten_state(layouts[u_idx], per_rank[0], full_of))
-    groups_layouts = [[layouts[units_of_pos[pos]] for pos in g["params"]] for g in p0["optimizer"]["param_groups"]]
-    groups = sd.full_groups(p0["optimizer"]["param_groups"], groups_layouts)
-    return model_sd, {"state": {k: state[k] for k in sorted(state) if state[k]}, "param_groups": groups}
+        entry = {}
+        for key, v in per_rank[0].items():
+            values = [st.get(key) for st in per_rank]
+            if index in shapes and _per_element(key, values, shapes[index]):
+                entry[key] = torch.cat([t.reshape(-1) for t in values]).view(shapes[index])
+            else:
+                entry[key] = v
+        if entry:
+            state[index] = entry
+    offset, groups = 0, []
+    for g in p0["optimizer"]["param_groups"]:
+        groups.append({**{k: v for k, v in g.items() if k != "params"},
+                       "params": positions[offset: offset + len(g["params"])]})
+        offset += len(g["params"])
+    return model_sd, {"state": {k: state[k] for k in sorted(state)}, "param_groups": groups}
+
+
+def _per_element(key: str, values: list, shape: torch.Size) -> bool:
+    """Whether the ranks' `values` of one optimizer state entry are row pieces of a parameter of
+    `shape` (rather than one per-tensor value, such as a step counter, held by every rank)."""
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return False
+    if len(shape) == 0:                        # 0-d: the holder has it 0-d, the others empty
+        return key != "step" and any(v.numel() == 0 for v in values)
+    return all(v.dim() == len(shape) and v.shape[1:] == shape[1:] for v in values)

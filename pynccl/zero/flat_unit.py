@@ -1,6 +1,7 @@
 """A sharded unit: one FlatLayout's worth of parameters. Between steps it is only this rank's
-master shard (the nn.Parameter the optimizer sees); a forward or backward that needs the
-parameters all-gathers them into a full flat buffer in the compute dtype.
+flat master shard; the module's own nn.Parameter objects become views of it (this rank's rows
+of each, FlatLayout.local_views), so the optimizer updates the shard in place. A forward or
+backward that needs the parameters all-gathers them into a full flat buffer in the compute dtype.
 
 All of ZeRO's communication goes through gather / free / reduce_grad here, so the stages
 differ only in *when* they call them (stage12.py, stage3.py).
@@ -62,9 +63,11 @@ class ShardedUnit:
     leaf that requires grad, so autograd sums every parameter's gradient into full.grad.
     """
 
-    def __init__(self, index: int, layout: FlatLayout, params: Sequence[torch.Tensor], group,
+    def __init__(self, index: int, layout: FlatLayout, params: Sequence[nn.Parameter], group,
                  compute_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype], *,
                  persistent: bool, sync_from_first_rank: bool):
+        """params: the module's original parameters, one per slot; each becomes a view of this
+        rank's rows of it in the shard (param.data is replaced, the object stays the same)."""
         master_dtype = params[0].dtype
         for slot, p in zip(layout.slots, params):
             if p.dtype != master_dtype:
@@ -79,11 +82,12 @@ class ShardedUnit:
         self.compute_dtype = compute_dtype or master_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.persistent = persistent
+        self._zeros = {}                               # dtype -> zeros for the padding (pack_slots)
         device = params[0].device
         k = layout.shard_numel
         with torch.no_grad():
             flat = torch.zeros(layout.padded_numel, dtype=master_dtype, device=device)
-            self.backend.pack([p.detach().contiguous() for p in params], flat[: layout.numel])
+            self.pack_slots([p.detach().contiguous() for p in params], flat)
             if sync_from_first_rank and group.world_size > 1:
                 dist.broadcast(flat, src=group.ranks[0], group=group)
             mine = flat[self.rank * k: (self.rank + 1) * k]
@@ -95,14 +99,20 @@ class ShardedUnit:
                 full = flat.to(self.compute_dtype) if persistent else torch.empty(
                     layout.padded_numel, dtype=self.compute_dtype, device=device)
             del flat, mine
-        self.shard = nn.Parameter(shard)
+        self.shard = shard                             # (shard_numel,) master dtype, this rank's
+        self.params = list(params)
+        self._views = layout.local_views(self.rank, shard)
+        for p, view in zip(self.params, self._views):
+            p.grad = None
+            p.data = view
+            p._pynccl_zero_group = group               # for pynccl.clip_grad_norm_ (clip.py)
+        self.grad_flat: Optional[torch.Tensor] = None  # (shard_numel,) the params' .grad are views of it
+        self._grad_views: List[torch.Tensor] = []
         self.full = full                               # (padded_numel,) in compute dtype
         self._full_nbytes = full.untyped_storage().nbytes()
         self.gather_work = None
-        if persistent:
-            self.gathered_version = self.shard._version
-        else:
-            self.gathered_version = -1
+        self.stale = not persistent                    # full does not hold every rank's current shard
+        if not persistent:
             self.full.untyped_storage().resize_(0)
             self.full.requires_grad_(True)
 
@@ -114,7 +124,21 @@ class ShardedUnit:
     @property
     def is_current(self) -> bool:
         """The full buffer holds the current shards of every rank (no gather needed)."""
-        return self.gather_work is None and self.is_allocated and self.gathered_version == self.shard._version
+        return self.gather_work is None and self.is_allocated and not self.stale
+
+    def check_params(self) -> None:
+        """Make sure each parameter still is its view of the shard. An optimizer or script that
+        assigned `p.data = new_tensor` broke the alias: copy the new values into the shard and
+        point the parameter back at it (a shape change is an error)."""
+        for p, view in zip(self.params, self._views):
+            if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
+                if p.shape != view.shape:
+                    raise RuntimeError(f"FullyShardedDataParallel: a sharded parameter of unit {self.index} now has "
+                                       f"shape {tuple(p.shape)}, expected its shard's {tuple(view.shape)}; parameters "
+                                       f"may be updated in place or through p.data, but keep their shape")
+                with torch.no_grad():
+                    view.copy_(p.data)
+                p.data = view
 
     def gather(self) -> None:
         """Start the all-gather of every rank's shard into `full` (async: wait_gather() before use).
@@ -123,6 +147,7 @@ class ShardedUnit:
         then gathered in place, so no staging copy is allocated."""
         if self.gather_work is not None:
             return
+        self.check_params()
         if not self.is_allocated:
             self.full.untyped_storage().resize_(self._full_nbytes)
         k = self.layout.shard_numel
@@ -137,19 +162,31 @@ class ShardedUnit:
         if self.gather_work is not None:
             self.gather_work.wait()
             self.gather_work = None
-            # NOTE: read after the gather: with an aliased shard the gather itself bumps the version.
-            self.gathered_version = self.shard._version
-
-    def ensure_current(self) -> None:
-        if not self.is_current:
-            self.gather()
-            self.wait_gather()
+            self.stale = False
 
     def free(self) -> None:
         """Release the full buffer's memory (stage 3); a no-op for persistent buffers."""
         self.wait_gather()                             # never free memory a gather still writes
         if not self.persistent and self.is_allocated:
             self.full.untyped_storage().resize_(0)
+            self.stale = True
+
+    def pack_slots(self, tensors: List[torch.Tensor], flat: torch.Tensor) -> None:
+        """Pack one tensor per slot into `flat` (padded_numel,) at the slots' offsets, zeros in
+        the padding between them: one backend.pack call (on NCCL one fused kernel)."""
+        sizes = self.layout.split_sizes
+        zeros = self._zeros.get(tensors[0].dtype)
+        if zeros is None or zeros.device != tensors[0].device:
+            zeros = torch.zeros(max(sizes[0::2]), dtype=tensors[0].dtype, device=tensors[0].device)
+            self._zeros[tensors[0].dtype] = zeros
+        parts = []
+        for gap, t in zip(sizes[0::2], tensors):
+            if gap:
+                parts.append(zeros[:gap])
+            parts.append(t)
+        if sizes[-1]:
+            parts.append(zeros[: sizes[-1]])
+        self.backend.pack(parts, flat)
 
     # ------------------------------------------------------------------ gradients
     def reduce_grad(self, grads: List[Optional[torch.Tensor]]) -> PendingReduce:
@@ -171,24 +208,43 @@ class ShardedUnit:
                     # NOTE: one pack call takes one dtype: stand-ins for missing grads match the others.
                     tensors = [g if g is not None else torch.zeros(s.shape, dtype=self.compute_dtype, device=device)
                                for g, s in zip(grads, L.slots)]
-                    self.backend.pack(tensors, inp[: L.numel])
-                    inp[L.numel:].zero_()
+                    self.pack_slots(tensors, inp)
             out = torch.empty(L.shard_numel, dtype=self.reduce_dtype, device=device)
             work = dist.reduce_scatter_tensor(out, inp, op=ReduceOp.AVG, group=self.group, async_op=True)
         return PendingReduce(self, work, out, inp)
 
     def finish_reduce(self, pending: PendingReduce) -> None:
-        """Wait for `pending` and add its result to shard.grad (in the master dtype)."""
+        """Wait for `pending` and add its result to the parameters' .grad (master dtype)."""
         pending.work.wait()
         # The input is spent once the reduce-scatter is done: free it before the cast allocates.
         pending.inp = None
         with torch.no_grad():
             g = pending.out if pending.out.dtype == self.master_dtype else pending.out.to(self.master_dtype)
-            if self.shard.grad is None:
-                self.shard.grad = g
-            else:
-                self.shard.grad.add_(g)
+            self.add_grad(g)
         pending.inp = pending.out = None
+
+    def add_grad(self, g: torch.Tensor) -> None:
+        """Add the flat (shard_numel,) gradient `g` to the parameters' .grad. Where the optimizer
+        left them as this unit's views (or None), that is one add on the flat buffer."""
+        grads = [p.grad for p in self.params]
+        if all(x is None for x in grads):
+            self.grad_flat = g
+            self._grad_views = self.layout.local_views(self.rank, g)
+            for p, view in zip(self.params, self._grad_views):
+                p.grad = view
+        elif all(x is v for x, v in zip(grads, self._grad_views)):
+            self.grad_flat.add_(g)
+        else:                                          # the script replaced some .grad: per parameter
+            for p, view in zip(self.params, self.layout.local_views(self.rank, g)):
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.add_(view)
+            self.grad_flat, self._grad_views = None, []
+
+    @property
+    def grads(self) -> List[Optional[torch.Tensor]]:
+        return [p.grad for p in self.params]
 
     def __repr__(self):
         return (f"ShardedUnit({self.index}, {self.layout}, compute={self.compute_dtype}, "

@@ -5,24 +5,34 @@ torch optimizer and an ordinary training loop:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # state for this rank's shards only
     loss = loss_fn(model(x), y); loss.backward(); model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 
-`parameters()` are this rank's flat fp32 shards (one per unit), so the optimizer's state
-is sharded. That is exact for element-wise optimizers (SGD with or without momentum, Adam,
-AdamW, Adamax, NAdam, RAdam, Adagrad, RMSprop, Adadelta, ASGD): each element's update only
-reads that element's gradient and state. Optimizers that look at a whole tensor (LAMB and
-LARS trust ratios, Adafactor's factored moments, Shampoo/SOAP/Muon preconditioners, LBFGS)
-see flat shards instead of the original tensors and are NOT exact.
-
 What users see:
-  * The wrapped module's parameters become plain tensors under the same attribute names
-    (views of the full buffers), so its forward runs unchanged; its buffers stay as they are.
+  * `named_parameters()` / `parameters()` are the module's own nn.Parameter objects, under
+    their own names (with the wrapper's `module.` prefix) and with their original number of
+    dimensions: each holds this rank's rows of that parameter (dim-0 row ranges of the unit's
+    flat shard, layout.py; empty (0, ...) on ranks that hold none of it), the flat buffers stay
+    what communication runs on. So param groups built from names and p.dim() (nanoGPT's
+    configure_optimizers, "no decay on biases and norms") work unchanged, before or after
+    wrapping, and element-wise optimizers (SGD with or without momentum, Adam, AdamW, Adamax,
+    NAdam, RAdam, Adagrad, RMSprop, Adadelta, ASGD; for-loop, foreach or fused) are exact.
+    Optimizers that look at a whole tensor (LAMB and LARS trust ratios, Adafactor's factored
+    moments, Shampoo/SOAP/Muon, LBFGS) see row shards and are NOT exact.
+  * Inside forward the module reads full tensors (gathered, compute dtype) under the same
+    attribute names, so its code runs unchanged; its buffers stay as they are.
     requires_grad=False parameters are kept whole on every rank (not sharded).
-  * Stages 1/2 all-gather updated shards at the start of the next forward (stage12.py says
-    why), so between optimizer.step() and that forward model.module's parameters are stale;
-    full_state_dict() is always current.
+    `model.module.state_dict()` holds the row shards; `model.state_dict()` /
+    `full_state_dict()` the full tensors.
+  * Stages 1/2 all-gather the updated shards at the first forward after a backward that
+    reduced gradients, after any torch.optim step of an optimizer holding these parameters,
+    and after a load (stage12.py); never by watching version counters, which fused optimizers
+    do not bump. Between optimizer.step() and that forward model.module's full tensors are
+    stale; full_state_dict() is always current.
   * Stages 1/2 need every trainable parameter in every loss (as DDP without
-    find_unused_parameters); stage 3 gives unused ones a zero gradient (AdamW's weight decay
-    still moves them, as in torch FSDP).
+    find_unused_parameters); stage 3 gives unused ones, and units that did not run, a zero
+    gradient (AdamW's weight decay still moves them, as in torch FSDP).
   * Gradients are averaged over the group (ReduceOp.AVG), in MixedPrecision.reduce_dtype.
+  * Global-norm clipping: model.clip_grad_norm_(max_norm) or
+    pynccl.clip_grad_norm_(model.parameters(), max_norm), which knows which tensors are shards
+    (torch.nn.utils.clip_grad_norm_ would compute a local norm on each rank).
 """
 from __future__ import annotations
 
@@ -40,7 +50,7 @@ from . import checkpoint, clip
 from . import state_dict as _state_dict
 from .memory import held_bytes
 from .mixed_precision import MixedPrecision, cast_inputs, check_policy
-from .params import collect_params, detach_from_modules, install, named_buffers_all
+from .params import collect_params, install, named_buffers_all
 from .stage3 import ShardedParamsRuntime
 from .stage12 import ReplicatedParamsRuntime
 from .wrap import WrapSpec, select_unit_modules
@@ -85,7 +95,6 @@ class FullyShardedDataParallel(nn.Module):
         self._param_infos, tensors = collect_params(module)
         if not any(i.requires_grad for i in self._param_infos):
             raise ValueError("FullyShardedDataParallel: the module has no parameter that requires grad")
-        detach_from_modules(self._param_infos)
         self._keep_frozen(tensors, sync_module_states)
         if sync_module_states and self.process_group.world_size > 1:
             broadcast_from_rank0(self.process_group.backend, [buf for _, buf in named_buffers_all(module)])
@@ -96,7 +105,6 @@ class FullyShardedDataParallel(nn.Module):
             self._runtime = ReplicatedParamsRuntime(stage, self._param_infos, tensors, self.process_group,
                                                     self.policy, int(bucket_cap_mb * MiB), sync_module_states)
         del tensors
-        self.flat_shards = nn.ParameterList([u.shard for u in self._runtime.units])
 
     def _keep_frozen(self, tensors: List[torch.Tensor], sync: bool) -> None:
         """requires_grad=False parameters stay whole on every rank, cast to the compute dtype."""
@@ -123,7 +131,7 @@ class FullyShardedDataParallel(nn.Module):
         rt.pre_root_forward(self._sync_grads)
         with torch.autograd.graph.saved_tensors_hooks(rt.pack, rt.unpack):
             out = self.module(*args, **kwargs)
-        rt.post_root_forward()
+        rt.post_root_forward(out)
         return out
 
     @contextlib.contextmanager
@@ -138,9 +146,9 @@ class FullyShardedDataParallel(nn.Module):
             self._sync_grads = previous
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale every shard's gradient so that the norm over all ranks' shards is at most
-        max_norm; returns that total norm (as torch.nn.utils.clip_grad_norm_ does). Collective."""
-        return clip.clip_grad_norm_(self.flat_shards, max_norm, norm_type, self.process_group)
+        """Scale every gradient so that the norm over all ranks' shards is at most max_norm;
+        returns that total norm (as torch.nn.utils.clip_grad_norm_ does). Collective."""
+        return clip.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     # ------------------------------------------------------------------ checkpoints
     def full_state_dict(self, rank0_only: bool = False) -> dict:

@@ -2,9 +2,11 @@
 name), their position in module.parameters() (the key of torch optimizer state dicts), and
 the (module, attribute) places they are read from.
 
-Sharding takes each parameter out of its module's `_parameters` and puts a plain tensor
-under the same attribute name, so the module's code runs unchanged while `parameters()` of
-the wrapper yields only the flat shards the optimizer must see.
+Sharding keeps each nn.Parameter object in its module's `_parameters` (so named_parameters()
+and any optimizer built from it see it; its .data becomes this rank's rows, flat_unit.py) and
+puts the tensor forward must read (the gathered full parameter) in the module's instance
+__dict__ under the same name: attribute lookup finds the instance __dict__ before
+nn.Module.__getattr__ consults `_parameters`, so the module's code runs unchanged.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ class ParamInfo:
     """One original parameter (shared parameters appear once, with all their names)."""
 
     __slots__ = ("index", "name", "names", "owners", "shape", "dtype", "requires_grad", "frozen_master",
-                 "location")
+                 "location", "param")
 
     def __init__(self, index: int, name: str, owner: Tuple[nn.Module, str], p: torch.Tensor):
         self.index = index                 # position in the original module.parameters()
@@ -30,6 +32,7 @@ class ParamInfo:
         self.requires_grad = p.requires_grad
         self.frozen_master: Optional[torch.Tensor] = None   # full tensor of a requires_grad=False param
         self.location: Optional[Tuple[int, int]] = None     # (unit index, slot index) once sharded
+        self.param = p                     # the nn.Parameter object itself (stays in the module)
 
 
 def collect_params(module: nn.Module) -> Tuple[List[ParamInfo], List[torch.Tensor]]:
@@ -56,15 +59,9 @@ def collect_params(module: nn.Module) -> Tuple[List[ParamInfo], List[torch.Tenso
     return order, tensors
 
 
-def detach_from_modules(infos: List[ParamInfo]) -> None:
-    """Remove every parameter from its modules' `_parameters` (the attribute is set by install)."""
-    for info in infos:
-        for mod, attr in info.owners:
-            mod._parameters.pop(attr, None)
-
-
 def install(info: ParamInfo, tensor: torch.Tensor) -> None:
-    """Make every module that owns `info` read `tensor` under the parameter's attribute name."""
+    """Make every module that owns `info` read `tensor` under the parameter's attribute name
+    (shadowing the nn.Parameter, which stays in `_parameters`)."""
     for mod, attr in info.owners:
         mod.__dict__[attr] = tensor
 

@@ -7,17 +7,22 @@ bucket's reduce-scatter as soon as backward hands it out and frees the bucket's 
 gradients, overlapping communication with the rest of backward; stage 1 reduces every
 bucket after backward. At most MAX_IN_FLIGHT reduce buffers exist at a time.
 
-Updated shards are all-gathered lazily at the start of the next forward, when a shard's
-version counter says the optimizer (or a checkpoint load) changed it: this works with any
-optimizer object without registering hooks on it, costs nothing when forward runs without a
-step in between (evaluation, gradient accumulation), and lets a step skip the gather when
-it is the last one.
+Updated shards are all-gathered lazily, at the start of the next forward, once something may
+have changed them: a backward that reduced gradients (a step follows), a torch.optim step of
+any optimizer that holds these parameters (a global step post-hook), or a checkpoint load.
+Nothing is inferred from tensor version counters: fused optimizers (AdamW(fused=True), the
+CUDA default in nanoGPT and HF) update parameters without bumping them, and a missed gather
+silently freezes the model. Evaluation forwards and no_sync accumulation between two steps
+still cost no gather.
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import List
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..grad_buckets import DEFAULT_FIRST_BUCKET_BYTES, GradBucketer
 from .flat_unit import ReduceQueue, ShardedUnit
@@ -65,6 +70,17 @@ class ReplicatedParamsRuntime:
             self.unit_leaves.append(unit_leaves)
         self.bucketer.register_hooks()
         self.in_flight = ReduceQueue(MAX_IN_FLIGHT)
+        self._param_ids = {id(p) for u in self.units for p in u.params}
+        handle = register_optimizer_step_post_hook(functools.partial(_after_optimizer_step, weakref.ref(self)))
+        weakref.finalize(self, handle.remove)
+
+    def mark_stale(self) -> None:
+        """Every unit re-gathers before the next forward (its shard may have changed)."""
+        for u in self.units:
+            u.stale = True
+
+    def holds_params_of(self, optimizer) -> bool:
+        return any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, sync_grads: bool) -> None:
@@ -104,6 +120,7 @@ class ReplicatedParamsRuntime:
             for i in range(len(self.units)):
                 self._launch(i)
         self.drain()
+        self.mark_stale()                              # gradients reduced: a step is coming
 
     def _launch(self, unit_idx: int) -> None:
         leaves = self.unit_leaves[unit_idx]
@@ -121,4 +138,10 @@ class ReplicatedParamsRuntime:
         return {"params_full": [u.full for u in self.units], "params_shard": [u.shard for u in self.units],
                 "grads_unreduced": [leaf.grad for ls in self.unit_leaves for leaf in ls],
                 "grads_in_flight": self.in_flight.buffers(),
-                "grads_shard": [u.shard.grad for u in self.units]}
+                "grads_shard": [g for u in self.units for g in u.grads]}
+
+
+def _after_optimizer_step(runtime_ref, optimizer, args, kwargs) -> None:
+    runtime = runtime_ref()
+    if runtime is not None and runtime.holds_params_of(optimizer):
+        runtime.mark_stale()

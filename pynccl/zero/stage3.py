@@ -13,6 +13,17 @@ in flight, and its memory is released (storage resized to 0) right after. For ba
     gradients into full.grad; its post-accumulate hook reduce-scatters that flat gradient
     into the shard and frees both the gradient and the parameters.
 The root unit stays gathered from the start of forward until its gradient is ready.
+
+Gradients are reduce-scattered in one fixed order on every rank (descending unit index, the
+root last), not in the order hooks fire: a unit whose hook fires early waits for the units
+before it in that order, and at the end of backward every unit still waiting is reduced,
+with a zero gradient where its hook never fired (a conditional branch skipped it, here or
+on all ranks). So the collectives match on every rank, and a model that runs its blocks in
+order keeps full overlap.
+
+Activation checkpointing: a unit's forward that runs inside backward (recomputation) gathers
+only that unit, prefetches nothing forward, and keeps it for the backward that follows, so
+no more than two units (and the root) are gathered at a time during backward.
 """
 from __future__ import annotations
 
@@ -76,6 +87,13 @@ class ShardedParamsRuntime:
         self._end_queued = False
         self.sync_grads = True
         self.in_flight = ReduceQueue(MAX_IN_FLIGHT)
+        self._ready: Dict[int, torch.Tensor] = {}        # unit index -> full gradient waiting for its turn
+        self._cursor = len(self.units) - 1               # next unit index to reduce (descending)
+
+    def mark_stale(self) -> None:
+        """Every unit re-gathers before it is used next (its shard may have changed)."""
+        for u in self.units:
+            u.stale = True
 
     # ------------------------------------------------------------------ gather / free
     def _install_placeholders(self, unit: ShardedUnit) -> None:
@@ -103,7 +121,7 @@ class ShardedParamsRuntime:
     def _use_full(self, unit: ShardedUnit) -> None:
         # Fresh views every forward: split's backward concatenates the parameter gradients
         # into one flat gradient (zeros for the padding and for unused parameters).
-        views = unit.full.split(unit.layout.split_sizes)
+        views = unit.full.split(unit.layout.split_sizes)[1::2]       # odd positions: the parameters
         for info, v in zip(self.unit_infos[unit.index], views):
             install(info, v.view(info.shape))
 
@@ -127,26 +145,39 @@ class ShardedParamsRuntime:
             self._start_gather(self.forward_order[0])
 
     def _pre_forward(self, unit: ShardedUnit, module, args) -> None:
-        if self._recording and all(u is not unit for u in self.forward_order):
+        recompute = _in_backward()
+        if self._recording and not recompute and all(u is not unit for u in self.forward_order):
             self.forward_order.append(unit)
         self._ensure(unit)
         self._use_full(unit)
-        if not self._recording:
+        if not self._recording and not recompute:
             nxt = self._neighbour(unit, +1)
             if nxt is not None:
                 self._start_gather(nxt)
 
     def _post_forward(self, unit: ShardedUnit, module, args, output) -> None:
         if torch.is_grad_enabled():
-            outs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outs:
-                register_multi_grad_hook(outs, functools.partial(self._pre_backward, unit), mode="any")
-        # The last unit of forward is the first of backward: keep it.
-        keep = torch.is_grad_enabled() and not self._recording and unit is self.forward_order[-1]
+            self._hook_outputs(output, functools.partial(self._pre_backward, unit))
+        # The last unit of forward is the first of backward, and a recomputed unit's backward
+        # comes right after its recomputation: keep those.
+        keep = _in_backward() or (torch.is_grad_enabled() and not self._recording
+                                  and unit is self.forward_order[-1])
         if not keep:
             self._free(unit)
 
-    def post_root_forward(self) -> None:
+    @staticmethod
+    def _hook_outputs(output, hook) -> bool:
+        outs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:
+            register_multi_grad_hook(outs, hook, mode="any")
+        return bool(outs)
+
+    def post_root_forward(self, output=None) -> None:
+        # NOTE: backward reaches the model's outputs first, in the outermost autograd task: queue
+        # the end-of-backward callback there. Queued from a unit hook instead, it could land in
+        # a nested task (reentrant checkpointing runs one per unit) and fire too early.
+        if torch.is_grad_enabled():
+            self._hook_outputs(output, lambda *unused: self._queue_end())
         self._recording = False
         grad = torch.is_grad_enabled()
         last = self.forward_order[-1] if self.forward_order else None
@@ -160,6 +191,8 @@ class ShardedParamsRuntime:
     def _queue_end(self) -> None:
         if not self._end_queued:
             self._end_queued = True
+            self._ready.clear()
+            self._cursor = len(self.units) - 1
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _pre_backward(self, unit: ShardedUnit, *unused) -> None:
@@ -172,14 +205,31 @@ class ShardedParamsRuntime:
     def _post_backward(self, unit: ShardedUnit, full: torch.Tensor) -> None:
         self._queue_end()
         if self.sync_grads:
-            grad, unit.full.grad = unit.full.grad, None
+            self._ready[unit.index], unit.full.grad = unit.full.grad, None
+            self._reduce_in_order(final=False)
+        self._free(unit)
+
+    def _reduce_in_order(self, final: bool) -> None:
+        """Start the reduce-scatters that are next in the fixed order; with final=True, all that
+        remain (a unit whose hook never fired reduces what it accumulated, or zeros)."""
+        while self._cursor >= 0:
+            unit = self.units[self._cursor]
+            grad = self._ready.pop(unit.index, None)
+            if grad is None:
+                if not final:
+                    return
+                grad, unit.full.grad = unit.full.grad, None
+                if grad is None:
+                    grad = torch.zeros(unit.layout.padded_numel, dtype=unit.reduce_dtype, device=unit.full.device)
             self.in_flight.append(unit.reduce_grad([grad]))
             del grad                                   # the reduce's input holds it now
             self.in_flight.trim()
-        self._free(unit)
+            self._cursor -= 1
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
+        if self.sync_grads:
+            self._reduce_in_order(final=True)
         self.drain()
         for u in self.units:
             if u.is_allocated or u.gather_work is not None:
@@ -207,6 +257,11 @@ class ShardedParamsRuntime:
     def held_tensors(self) -> dict:
         """Tensors this runtime holds, by role (for memory accounting)."""
         return {"params_full": [u.full for u in self.units], "params_shard": [u.shard for u in self.units],
-                "grads_unreduced": [u.full.grad for u in self.units],
+                "grads_unreduced": [u.full.grad for u in self.units] + list(self._ready.values()),
                 "grads_in_flight": self.in_flight.buffers(),
-                "grads_shard": [u.shard.grad for u in self.units]}
+                "grads_shard": [g for u in self.units for g in u.grads]}
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward on this thread (a forward now is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1

@@ -2,19 +2,21 @@
 
 The full forms are exactly what an unwrapped model and a plain torch optimizer produce:
 model keys are the original parameter/buffer names (tied parameters under every name);
-optimizer state is keyed by position in the original module.parameters(). So a
-checkpoint moves freely between a plain run and ZeRO runs of any world size and stage:
-loading only cuts each rank's slice out of the full tensors (FlatLayout.shard_from_params).
+optimizer state is keyed by each parameter's position in the original module.parameters(),
+param_groups list those positions. So a checkpoint moves freely between a plain run and
+ZeRO runs of any world size and stage: loading only cuts each rank's rows out of the full
+tensors.
 
-Per-element optimizer state (Adam's exp_avg, SGD's momentum_buffer, ...) is recognised
-by its shape: the shard's shape when sharded, the parameter's when full; anything else
-(step counters, None) is per tensor and copied to every parameter of the unit.
+The optimizer holds the module's own parameters (each this rank's rows, layout.py), so its
+state is per parameter: per-element entries (Adam's exp_avg, SGD's momentum_buffer, ...) are
+recognised by having the parameter's (local or full) shape; anything else (step counters,
+None) is per tensor and copied.
 """
 from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -27,38 +29,14 @@ def _cpu_clone(v):
     return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
 
 
-def is_sharded_value(v, layout: FlatLayout) -> bool:
-    return isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == layout.shard_numel
-
-
-def is_full_value(key: str, v, shape: torch.Size) -> bool:
+def is_per_element(key: str, v, shape: torch.Size) -> bool:
+    """v is a per-element optimizer state entry of a tensor of `shape` (not a step counter)."""
     return isinstance(v, torch.Tensor) and v.shape == shape and not (v.dim() == 0 and key == "step")
 
 
 def split_flat(layout: FlatLayout, flat: torch.Tensor) -> Dict[int, torch.Tensor]:
     """Full flat (padded_numel,) -> {param_index: parameter-shaped CPU tensor}."""
     return {s.param_index: _cpu_clone(v) for s, v in zip(layout.slots, layout.views(flat))}
-
-
-def unflatten_state(layout: FlatLayout, state: dict, gather_full: Callable[[str, torch.Tensor], torch.Tensor]):
-    """One shard's optimizer state -> {param_index: state of the original parameter}.
-    gather_full(key, shard_value) returns the full flat value of a per-element entry."""
-    out = {s.param_index: {} for s in layout.slots}
-    for key, v in state.items():
-        if is_sharded_value(v, layout):
-            for idx, t in split_flat(layout, gather_full(key, v)).items():
-                out[idx][key] = t
-        else:
-            for idx in out:
-                out[idx][key] = _cpu_clone(v)
-    return out
-
-
-def full_groups(groups: List[dict], layouts_per_group: List[List[FlatLayout]]) -> List[dict]:
-    """Optimizer param_groups with the shards replaced by their original parameters' positions."""
-    return [{**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
-             "params": sorted(s.param_index for lay in lays for s in lay.slots)}
-            for g, lays in zip(groups, layouts_per_group)]
 
 
 def model_state(infos, params_by_index: Dict[int, torch.Tensor], buffers: Dict[str, torch.Tensor]):
@@ -80,20 +58,27 @@ def _gather_flat(model, unit, shard_value: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def _shard_units(model, optimizer) -> List[list]:
-    """The unit of every optimizer parameter, per group; ValueError for foreign parameters."""
-    unit_of = {id(u.shard): u for u in model.units}
+def optimizer_params(model, optimizer) -> List[List[Tuple[object, int]]]:
+    """Per optimizer group, (unit or None for a frozen parameter, slot index or param_index) of
+    each parameter; ValueError for a tensor that is not one of the model's parameters."""
+    where = {id(p): (u, i) for u in model.units for i, p in enumerate(u.params)}
+    where.update({id(info.param): (None, info.index) for info in model._param_infos if info.frozen_master is not None})
     per_group = []
     for g_idx, g in enumerate(optimizer.param_groups):
-        units = []
+        row = []
         for p in g["params"]:
-            if id(p) not in unit_of:
+            if id(p) not in where:
                 raise ValueError(f"optimizer param_groups[{g_idx}] holds a {tuple(p.shape)} tensor that is not one of "
                                  f"this FullyShardedDataParallel's parameters(); build the optimizer from "
-                                 f"model.parameters()")
-            units.append(unit_of[id(p)])
-        per_group.append(units)
+                                 f"model.parameters() or model.named_parameters()")
+            row.append(where[id(p)])
+        per_group.append(row)
     return per_group
+
+
+def param_index_of(entry) -> int:
+    unit, i = entry
+    return i if unit is None else unit.layout.slots[i].param_index
 
 
 def full_state_dict(model, rank0_only: bool = False) -> dict:
@@ -106,16 +91,46 @@ def full_state_dict(model, rank0_only: bool = False) -> dict:
     return model_state(model._param_infos, params, buffers)
 
 
+def _per_element_keys(unit, states: Dict[int, dict]) -> List[str]:
+    """Keys of the per-element entries of `unit`'s parameters in `states` (slot -> state),
+    decided from facts every rank shares (key names, the number of dimensions), since each
+    key is then gathered collectively. 0-d parameters follow their unit's other parameters."""
+    shaped = [i for i in states if unit.params[i].dim() > 0]
+    if not shaped:
+        return sorted({k for st in states.values() for k, v in st.items()
+                       if isinstance(v, torch.Tensor) and k != "step"})
+    return sorted({k for i in shaped for k, v in states[i].items()
+                   if isinstance(v, torch.Tensor) and v.dim() == unit.params[i].dim()
+                   and v.shape[1:] == unit.params[i].shape[1:]})
+
+
 def full_optim_state_dict(model, optimizer, rank0_only: bool = False) -> dict:
-    per_group = _shard_units(model, optimizer)
-    state = {}
-    for g, units in zip(optimizer.param_groups, per_group):
-        for p, unit in zip(g["params"], units):
-            st = optimizer.state.get(p, {})
-            state.update(unflatten_state(unit.layout, st, lambda key, v, u=unit: _gather_flat(model, u, v)))
+    per_group = optimizer_params(model, optimizer)
+    entries = [e for row in per_group for e in row]
+    state: Dict[int, dict] = {}
+    for info in model._param_infos:                    # frozen parameters are whole on every rank
+        if info.frozen_master is not None and (None, info.index) in entries:
+            state[info.index] = {k: _cpu_clone(v) for k, v in optimizer.state.get(info.param, {}).items()}
+    for unit in model.units:                           # NOTE: collective, same unit and key order everywhere
+        states = {i: optimizer.state.get(unit.params[i], {}) for u, i in entries if u is unit}
+        keys = _per_element_keys(unit, states)
+        for i, st in states.items():
+            state[unit.layout.slots[i].param_index] = {k: _cpu_clone(v) for k, v in st.items() if k not in keys}
+        for key in keys:
+            local = [states.get(i, {}).get(key) for i in range(len(unit.params))]
+            dtype = next(v.dtype for v in local if v is not None)
+            shard = torch.zeros(unit.layout.shard_numel, dtype=dtype, device=unit.shard.device)
+            for view, v in zip(unit.layout.local_views(unit.rank, shard), local):
+                if v is not None:
+                    view.copy_(v)
+            full = split_flat(unit.layout, _gather_flat(model, unit, shard))
+            for i in states:
+                index = unit.layout.slots[i].param_index
+                state[index][key] = full[index]
     if rank0_only and model.process_group.rank != 0:
         return {}
-    groups = full_groups(optimizer.param_groups, [[u.layout for u in units] for units in per_group])
+    groups = [{**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
+               "params": [param_index_of(e) for e in row]} for g, row in zip(optimizer.param_groups, per_group)]
     return {"state": {k: state[k] for k in sorted(state) if state[k]}, "param_groups": groups}
 
 
@@ -146,7 +161,8 @@ def _load_model(model, state_dict: dict, strict: bool) -> None:
             found = [lookup(by_index[s.param_index]) for s in unit.layout.slots]
             if any(t is None for t in found):
                 continue                               # non-strict and missing: keep current values
-            unit.layout.shard_from_params(rank, found, unit.shard.detach())
+            unit.check_params()
+            unit.layout.shard_from_params(rank, found, unit.shard)
         for info in infos:
             t = lookup(info) if info.frozen_master is not None else None
             if t is not None:
@@ -157,42 +173,38 @@ def _load_model(model, state_dict: dict, strict: bool) -> None:
         for name, buf in buffers.items():
             if name in state_dict:
                 buf.copy_(state_dict[name])
+    model._runtime.mark_stale()
 
 
 def _load_optim(model, osd: dict, optimizer) -> None:
+    """Positional, as torch.optim.Optimizer.load_state_dict: the i-th parameter of the saved
+    group g is the i-th parameter of this optimizer's group g (same recipe, same order)."""
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         raise TypeError("load_full_state_dict: optim_state_dict must be a torch.optim state dict "
                         "({'state': ..., 'param_groups': ...})")
+    per_group = optimizer_params(model, optimizer)
+    saved_groups = osd["param_groups"]
+    if [len(g["params"]) for g in saved_groups] != [len(row) for row in per_group]:
+        raise ValueError(f"load_full_state_dict: the optimizer state dict has groups of "
+                         f"{[len(g['params']) for g in saved_groups]} parameters, this optimizer "
+                         f"{[len(row) for row in per_group]}; build it with the same param groups")
     saved_state = {int(k): v for k, v in osd["state"].items()}
-    group_of = {idx: g for g in osd["param_groups"] for idx in g["params"]}
     rank = model.process_group.rank
     new_state, new_groups, pos = {}, [], 0
-    for g, units in zip(optimizer.param_groups, _shard_units(model, optimizer)):
-        hyper, positions = None, []
-        for unit in units:
-            slots = unit.layout.slots
-            missing = [s.name for s in slots if s.param_index not in group_of]
-            if missing:
-                raise ValueError(f"load_full_state_dict: optimizer state dict has no param group holding "
-                                 f"{missing} (positions {[s.param_index for s in slots if s.name in missing]})")
-            if hyper is None:
-                hyper = {k: v for k, v in group_of[slots[0].param_index].items() if k != "params"}
-            entries = [saved_state.get(s.param_index) or {} for s in slots]
+    for saved, row in zip(saved_groups, per_group):
+        positions = []
+        for key_in_saved, (unit, i) in zip(saved["params"], row):
             st = {}
-            for key in dict.fromkeys(k for e in entries for k in e):
-                values = [e.get(key) for e in entries]
-                i0, first = next((i, v) for i, v in enumerate(values) if v is not None)
-                if is_full_value(key, first, slots[i0].shape):
-                    shard = torch.zeros(unit.layout.shard_numel, dtype=first.dtype, device=unit.shard.device)
-                    unit.layout.shard_from_params(rank, values, shard)
-                    st[key] = shard
+            for key, v in (saved_state.get(int(key_in_saved)) or {}).items():
+                if unit is not None and is_per_element(key, v, unit.layout.slots[i].shape):
+                    st[key] = unit.layout.local_part(rank, i, v).to(unit.shard.device, copy=True)
                 else:
-                    st[key] = copy.deepcopy(first)
+                    st[key] = copy.deepcopy(v)
             if st:
                 new_state[pos] = st
             positions.append(pos)
             pos += 1
-        new_groups.append({**hyper, "params": positions})
+        new_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": positions})
     optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
 
 
