@@ -61,7 +61,7 @@ def is_zero(model: nn.Module) -> bool:
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
-    """The GPT stage inside DDP / ZeRO (ZeRO's holds views, not parameters, of its weights)."""
+    """The GPT stage inside DDP / ZeRO (under ZeRO its parameters hold this rank's rows)."""
     return model.module if isinstance(model, (pynccl.DistributedDataParallel,
                                               pynccl.FullyShardedDataParallel)) else model
 
@@ -111,27 +111,16 @@ def _owned_grads(model: nn.Module, mesh, spec) -> Tuple[List[torch.Tensor], List
 
     Each gradient element of the whole mesh is counted exactly once: TP-replicated parameters
     (LayerNorms, row biases, position embeddings) only on tp_rank 0; pipeline stages hold
-    disjoint layers; ZeRO shards are disjoint over dp (sum over the world), while DDP's
-    gradients are the same on every dp rank (sum over one replica, mesh.mp_group)."""
+    disjoint layers; ZeRO's parameters hold disjoint rows over dp (sum over the world), while
+    DDP's gradients are the same on every dp rank (sum over one replica, mesh.mp_group)."""
     counted, scaled = [], []
-    if is_zero(model):
-        for unit in model.units:
-            g = unit.shard.grad
-            if g is None:
-                continue
-            scaled.append(g)
-            for piece in unit.layout.shard_pieces(model.process_group.rank):
-                name = unit.layout.slots[piece.slot_idx].name
-                if spec[name][0] is not None or mesh.tp_rank == 0:
-                    counted.append(g[piece.shard_start: piece.shard_start + piece.numel])
-        return counted, scaled, mesh.world_group
     for name, p in unwrapped(model).named_parameters():
         if p.grad is None:
             continue
         scaled.append(p.grad)
         if spec[name][0] is not None or mesh.tp_rank == 0:
             counted.append(p.grad)
-    return counted, scaled, mesh.mp_group
+    return counted, scaled, mesh.world_group if is_zero(model) else mesh.mp_group
 
 
 def clip_grad_norm_(model: nn.Module, mesh, spec, max_norm: float) -> float:
