@@ -66,7 +66,7 @@ def save_sharded(model, path: str, optimizer=None) -> None:
         payload = {
             "format": FORMAT, "token": token[0], "rank": g.rank, "world_size": g.world_size, "stage": model.stage,
             "units": [u.layout.metadata() for u in model.units],
-            "shards": [u.shard.detach().cpu() for u in model.units],
+            "shards": [u.check_params() or u.shard.detach().cpu() for u in model.units],
             "param_names": [info.names for info in model._param_infos],
             "frozen": {info.name: info.frozen_master.cpu() for info in model._param_infos
                        if info.frozen_master is not None},

@@ -82,8 +82,10 @@ class ShardedParamsRuntime:
             self._install_placeholders(unit)
 
         self._by_storage: Dict[int, ShardedUnit] = {}    # data_ptr of a gathered buffer -> its unit
-        self.forward_order: List[ShardedUnit] = []       # non-root units, as the first forward ran them
-        self._recording = True
+        self._blocks = [u for u in self.units if u is not self.root]   # the gather order (see below)
+        self._pos = {u.index: i for i, u in enumerate(self._blocks)}
+        self._fwd = 0                                    # next block forward gathers
+        self._bwd = len(self._blocks) - 1                # next block backward gathers
         self._end_queued = False
         self.sync_grads = True
         self.in_flight = ReduceQueue(MAX_IN_FLIGHT)
@@ -125,13 +127,32 @@ class ShardedParamsRuntime:
         for info, v in zip(self.unit_infos[unit.index], views):
             install(info, v.view(info.shape))
 
-    def _neighbour(self, unit: ShardedUnit, step: int) -> Optional[ShardedUnit]:
-        order = self.forward_order
-        for i, u in enumerate(order):
-            if u is unit:
-                j = i + step
-                return order[j] if 0 <= j < len(order) else None
-        return None
+    # ------------------------------------------------------------------ gather order
+    # NOTE: an all-gather is a collective: every rank must start the same units' gathers in the
+    # same order, even where a conditional branch skips a unit on some ranks. So gathers follow
+    # one fixed order, not the order the hooks happen to fire: forward walks the non-root units
+    # by ascending index (a unit the walk passes over is gathered anyway, then freed), backward
+    # by descending index. A model that runs its blocks in order gathers each once, as before.
+    @property
+    def forward_order(self) -> List[ShardedUnit]:
+        return self._blocks
+
+    def _forward_gather_to(self, pos: int, free_passed: bool) -> None:
+        """Start the gathers of blocks [cursor, pos]; with free_passed, free those before pos
+        (skipped by this rank's forward: gathered only to match the other ranks)."""
+        while self._fwd <= min(pos, len(self._blocks) - 1):
+            unit = self._blocks[self._fwd]
+            self._start_gather(unit)
+            if free_passed and self._fwd < pos:
+                self._free(unit)
+            self._fwd += 1
+
+    def _backward_gather_to(self, pos: int) -> None:
+        """Start the gathers of blocks [pos, cursor], descending (passed-over ones stay gathered
+        until the end of backward: their memory is freed there)."""
+        while self._bwd >= max(pos, 0):
+            self._start_gather(self._blocks[self._bwd])
+            self._bwd -= 1
 
     # ------------------------------------------------------------------ forward
     def pre_root_forward(self, sync_grads: bool) -> None:
@@ -141,27 +162,27 @@ class ShardedParamsRuntime:
         if self.root is not None:
             self._ensure(self.root)
             self._use_full(self.root)
-        if not self._recording and self.forward_order:
-            self._start_gather(self.forward_order[0])
+        self._fwd = 0
+        self._forward_gather_to(0, free_passed=False)  # the first block is gathering while the root runs
 
     def _pre_forward(self, unit: ShardedUnit, module, args) -> None:
-        recompute = _in_backward()
-        if self._recording and not recompute and all(u is not unit for u in self.forward_order):
-            self.forward_order.append(unit)
-        self._ensure(unit)
+        pos = self._pos[unit.index]
+        if _in_backward():                             # recomputation (activation checkpointing)
+            self._queue_end()
+            self._backward_gather_to(pos)
+        else:
+            self._forward_gather_to(pos, free_passed=True)
+        self._ensure(unit)                             # a unit run again (or out of order) gathers again
         self._use_full(unit)
-        if not self._recording and not recompute:
-            nxt = self._neighbour(unit, +1)
-            if nxt is not None:
-                self._start_gather(nxt)
+        if not _in_backward():
+            self._forward_gather_to(pos + 1, free_passed=False)      # prefetch
 
     def _post_forward(self, unit: ShardedUnit, module, args, output) -> None:
         if torch.is_grad_enabled():
             self._hook_outputs(output, functools.partial(self._pre_backward, unit))
-        # The last unit of forward is the first of backward, and a recomputed unit's backward
-        # comes right after its recomputation: keep those.
-        keep = _in_backward() or (torch.is_grad_enabled() and not self._recording
-                                  and unit is self.forward_order[-1])
+        # The last block is the first of backward, and a recomputed unit's backward comes right
+        # after its recomputation: keep those.
+        keep = _in_backward() or (torch.is_grad_enabled() and unit is self._blocks[-1])
         if not keep:
             self._free(unit)
 
@@ -176,16 +197,16 @@ class ShardedParamsRuntime:
         # NOTE: backward reaches the model's outputs first, in the outermost autograd task: queue
         # the end-of-backward callback there. Queued from a unit hook instead, it could land in
         # a nested task (reentrant checkpointing runs one per unit) and fire too early.
-        if torch.is_grad_enabled():
-            self._hook_outputs(output, lambda *unused: self._queue_end())
-        self._recording = False
         grad = torch.is_grad_enabled()
-        last = self.forward_order[-1] if self.forward_order else None
+        if grad:
+            self._hook_outputs(output, lambda *unused: self._queue_end())
+        self._forward_gather_to(len(self._blocks) - 1, free_passed=False)   # blocks this rank skipped
+        last = self._blocks[-1] if self._blocks else None
         for u in self.units:
             if (u is self.root or u is last) and grad:
                 continue
             if u.is_allocated or u.gather_work is not None:
-                self._free(u)                          # e.g. a prefetch the forward did not use
+                self._free(u)
 
     # ------------------------------------------------------------------ backward
     def _queue_end(self) -> None:
@@ -193,14 +214,20 @@ class ShardedParamsRuntime:
             self._end_queued = True
             self._ready.clear()
             self._cursor = len(self.units) - 1
+            self._bwd = len(self._blocks) - 1
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _pre_backward(self, unit: ShardedUnit, *unused) -> None:
         self._queue_end()
+        pos = self._pos[unit.index]
+        self._backward_gather_to(pos)
         self._ensure(unit)
-        prev = self._neighbour(unit, -1)
-        if prev is not None:
-            self._start_gather(prev)
+        # A checkpoint around the module's forward (not its __call__, as HF's layers do) recomputes
+        # it without running our forward hooks: the parameters must already be in place, as
+        # views that autograd connects to unit.full (hooks run with grad mode off).
+        with torch.enable_grad():
+            self._use_full(unit)
+        self._backward_gather_to(pos - 1)              # prefetch
 
     def _post_backward(self, unit: ShardedUnit, full: torch.Tensor) -> None:
         self._queue_end()
@@ -228,6 +255,7 @@ class ShardedParamsRuntime:
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
+        self._backward_gather_to(0)                    # blocks this rank's backward skipped
         if self.sync_grads:
             self._reduce_in_order(final=True)
         self.drain()

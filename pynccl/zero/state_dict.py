@@ -84,6 +84,7 @@ def param_index_of(entry) -> int:
 def full_state_dict(model, rank0_only: bool = False) -> dict:
     params = {}
     for unit in model.units:                           # NOTE: collective, same unit order on every rank
+        unit.check_params()
         params.update(split_flat(unit.layout, _gather_flat(model, unit, unit.shard)))
     if rank0_only and model.process_group.rank != 0:
         return OrderedDict()
