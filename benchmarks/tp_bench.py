@@ -68,13 +68,13 @@ class _Timer:
 
 
 class _Intercept:
-    """Stands in for pynccl.distributed inside tensor_parallel.comm: timed or no-op collectives."""
+    """Stands in for pynccl.comm.distributed inside tensor_parallel.comm: timed or no-op collectives."""
 
     def __init__(self, mode, timer):
         self.mode, self.timer, self.pairs = mode, timer, []
 
     def __getattr__(self, name):
-        real = getattr(pynccl.distributed, name)
+        real = getattr(pynccl.comm.distributed, name)
         if name not in _COLLECTIVES:
             return real
 

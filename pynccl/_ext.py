@@ -20,7 +20,7 @@ except ImportError as e:  # not built, or built against another torch/NCCL
     _C = None
     _IMPORT_ERROR = e
 else:
-    from pynccl.backends.base import Work as _Work
+    from pynccl.comm.backends.base import Work as _Work
     _Work.register(_C.Work)  # C++ Work handles are base.Work for isinstance checks, whoever imports first
 
 _BUILD_HINT = (

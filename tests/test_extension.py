@@ -92,8 +92,8 @@ def test_require_extension_says_how_to_build(monkeypatch):
 
 
 def test_nccl_backend_implements_the_interface():
-    from pynccl.backends.base import Backend, Work
-    from pynccl.backends.nccl import NcclBackend
+    from pynccl.comm.backends.base import Backend, Work
+    from pynccl.comm.backends.nccl import NcclBackend
 
     assert issubclass(NcclBackend, Backend)
     assert not NcclBackend.__abstractmethods__
@@ -129,8 +129,8 @@ def test_flight_record_file_is_json(tmp_path, monkeypatch):
 def test_nccl_backend_signatures_match_the_interface():
     import inspect
 
-    from pynccl.backends.base import Backend
-    from pynccl.backends.nccl import NcclBackend
+    from pynccl.comm.backends.base import Backend
+    from pynccl.comm.backends.nccl import NcclBackend
 
     for name, member in inspect.getmembers(Backend, inspect.isfunction):
         if getattr(member, "__isabstractmethod__", False):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pynccl.grad_buckets import MiB, GradBucketer, assign_buckets
+from pynccl.ddp.buckets import MiB, GradBucketer, assign_buckets
 
 
 def _meta(numel, dtype=torch.float32):

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pynccl import _ext
-from pynccl.backends.base import Work as BaseWork
+from pynccl.comm.backends.base import Work as BaseWork
 from pynccl.errors import CommTimeoutError, PyncclError
-from pynccl.reduce_op import ReduceOp
+from pynccl.comm.reduce_op import ReduceOp
 
 pytestmark = [
     pytest.mark.gpu,
@@ -504,7 +504,7 @@ def test_split_and_properties(comm):
 
 
 def test_nccl_backend_binds_cpp_methods():
-    from pynccl.backends.nccl import NcclBackend
+    from pynccl.comm.backends.nccl import NcclBackend
 
     backend = NcclBackend.create(C.get_unique_id(), 1, 0, "cuda:0", timeout=30.0, name="be")
     assert backend.comm.name == "be" and backend.device == torch.device("cuda", 0)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pynccl
-from pynccl.comm_hooks import allreduce_hook
+from pynccl.ddp.hooks import allreduce_hook
 from pynccl.mesh import ParallelMesh
 from pynccl.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                              build_programs, build_stage_module, check, split_into_stages)

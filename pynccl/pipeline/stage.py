@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .. import distributed as dist
-from ..groups import _group
+from ..comm import distributed as dist
+from ..comm.groups import _group
 from .p2p import TensorMeta, tensor_meta
 
 

@@ -36,7 +36,7 @@ from .layers import (ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear,
                      column_parallel_linear, shard_like, shard_tensor)
 from .random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_cuda_rng_tracker, get_rng_tracker,
                      model_parallel_seed)
-from .reference import MLP, CausalSelfAttention, TransformerBlock
+from ..testing.reference_models import MLP, CausalSelfAttention, TransformerBlock
 from .transformer import ParallelCausalSelfAttention, ParallelMLP, ParallelTransformerBlock
 
 __all__ = [

@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .. import distributed as dist
+from ..comm import distributed as dist
 from .layers import ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, check_divisible
 from .random import dropout, sharded_rng
-from .reference import CausalSelfAttention, MLP, TransformerBlock, causal_attention, check_heads, gelu
+from ..testing.reference_models import CausalSelfAttention, MLP, TransformerBlock, causal_attention, check_heads, gelu
 
 
 class ParallelMLP(nn.Module):

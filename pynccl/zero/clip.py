@@ -10,8 +10,8 @@ from typing import Iterable
 
 import torch
 
-from .. import distributed as dist
-from ..reduce_op import ReduceOp
+from ..comm import distributed as dist
+from ..comm.reduce_op import ReduceOp
 
 
 def clip_grad_norm_(shards: Iterable[torch.Tensor], max_norm: float, norm_type: float, group) -> torch.Tensor:

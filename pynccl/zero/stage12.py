@@ -19,7 +19,7 @@ from typing import List
 
 import torch
 
-from ..grad_buckets import DEFAULT_FIRST_BUCKET_BYTES, GradBucketer
+from ..ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, GradBucketer
 from .flat_unit import ReduceQueue, ShardedUnit
 from .layout import FlatLayout
 from .params import ParamInfo, install

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .. import distributed as dist
+from ..comm import distributed as dist
 from .layout import FlatLayout
 from .params import install, named_buffers_all
 

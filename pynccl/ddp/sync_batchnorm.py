@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import distributed as dist
-from .reduce_op import ReduceOp
+from ..comm import distributed as dist
+from ..comm.reduce_op import ReduceOp
 
 
 class _SyncBatchNormFn(torch.autograd.Function):

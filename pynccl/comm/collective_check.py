@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .errors import CollectiveMismatchError, CommTimeoutError
+from ..errors import CollectiveMismatchError, CommTimeoutError
 from .reduce_op import PremulSum, ReduceOp
 
 

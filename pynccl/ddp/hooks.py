@@ -18,8 +18,8 @@ from typing import List
 
 import torch
 
-from . import distributed as dist
-from .reduce_op import ReduceOp
+from ..comm import distributed as dist
+from ..comm.reduce_op import ReduceOp
 
 
 class GradBucket:

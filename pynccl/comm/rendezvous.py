@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as tdist
 
-from .errors import CommTimeoutError
+from ..errors import CommTimeoutError
 
 _generation = 0
 

@@ -127,7 +127,7 @@ def init_process_group(backend: str = "nccl", init_method: Optional[str] = "env:
                            "call pynccl.destroy_process_group() first")
     timeout_s = _timeout_seconds(timeout)
     if backend == "nccl":
-        from ._ext import require_extension
+        from .._ext import require_extension
         require_extension("backend='nccl'")
     rank, world_size, store, owns = rendezvous.bootstrap(init_method, rank, world_size, timeout_s, store)
     prefix = f"pynccl/{rendezvous.next_generation()}"

@@ -9,10 +9,10 @@ from typing import Callable, List, Sequence
 
 import torch
 
-from . import comm_hooks
-from .grad_buckets import DEFAULT_FIRST_BUCKET_BYTES, MiB, Bucket, GradBucketer, assign_buckets
-from .groups import _group
-from .reduce_op import ReduceOp
+from . import hooks as comm_hooks
+from .buckets import DEFAULT_FIRST_BUCKET_BYTES, MiB, Bucket, GradBucketer, assign_buckets
+from ..comm.groups import _group
+from ..comm.reduce_op import ReduceOp
 
 _BROADCAST_CAP_BYTES = 250 * MiB
 

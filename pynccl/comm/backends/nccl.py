@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from pynccl import _ext
-from pynccl.backends.base import Backend
+from pynccl.comm.backends.base import Backend
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from . import distributed as dist
-from .ddp_reducer import Reducer, broadcast_from_rank0, coalesced_broadcaster
-from .grad_buckets import MiB
+from ..comm import distributed as dist
+from .reducer import Reducer, broadcast_from_rank0, coalesced_broadcaster
+from .buckets import MiB
 from .sync_batchnorm import SyncBatchNorm
 
 __all__ = ["DistributedDataParallel", "SyncBatchNorm"]

@@ -13,7 +13,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as tdist
 
-from ..errors import CommTimeoutError, PyncclError
+from ...errors import CommTimeoutError, PyncclError
 from ..flight_recorder import FlightRecorder
 from ..reduce_op import PremulSum, ReduceOp, check_op_for_dtype
 from .base import Backend, Work
