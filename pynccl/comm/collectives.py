@@ -13,7 +13,7 @@ from typing import List, Optional
 import torch
 
 from .backends.base import P2POp, Work
-from .groups import _group, _state
+from .groups import _state, resolve_group
 from .reduce_op import ReduceOp
 
 
@@ -50,17 +50,17 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     # NOTE: hot path. No Python-side checks: the backend validates (C++ for nccl).
     if group is None:
         return _state.world.backend.all_reduce(tensor, op, async_op)
-    return _group(group).backend.all_reduce(tensor, op, async_op)
+    return resolve_group(group).backend.all_reduce(tensor, op, async_op)
 
 
 def broadcast(tensor, src, group=None, async_op=False):
-    g = _group(group)
+    g = resolve_group(group)
     _check_tensor("broadcast", "tensor", tensor)
     return g.backend.broadcast(tensor, g.group_rank(src, "src"), async_op)
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
-    g = _group(group)
+    g = resolve_group(group)
     _check_tensor("reduce", "tensor", tensor)
     return g.backend.reduce(tensor, g.group_rank(dst, "dst"), op, async_op)
 
@@ -74,7 +74,7 @@ def _check_list_pair(fn: str, name: str, t: torch.Tensor, list_name: str, lst, n
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
-    g = _group(group)
+    g = resolve_group(group)
     _check_list_pair("all_gather", "tensor", tensor, "tensor_list", tensor_list, g.backend.world_size)
     return g.backend.all_gather(list(tensor_list), tensor, async_op)
 
@@ -91,25 +91,25 @@ def _check_flat_pair(fn: str, output: torch.Tensor, input: torch.Tensor, n: int,
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    g = _group(group)
+    g = resolve_group(group)
     _check_flat_pair("all_gather_into_tensor", output_tensor, input_tensor, g.backend.world_size, output_is_whole=True)
     return g.backend.all_gather_into_tensor(output_tensor, input_tensor, async_op)
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
-    g = _group(group)
+    g = resolve_group(group)
     _check_list_pair("reduce_scatter", "output", output, "input_list", input_list, g.backend.world_size)
     return g.backend.reduce_scatter(output, list(input_list), op, async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
-    g = _group(group)
+    g = resolve_group(group)
     _check_flat_pair("reduce_scatter_tensor", output, input, g.backend.world_size, output_is_whole=False)
     return g.backend.reduce_scatter_tensor(output, input, op, async_op)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
-    g = _group(group)
+    g = resolve_group(group)
     n = g.backend.world_size
     _check_list("all_to_all", "output_tensor_list", output_tensor_list, n)
     _check_list("all_to_all", "input_tensor_list", input_tensor_list, n)
@@ -137,7 +137,7 @@ def _check_splits(fn: str, name: str, splits, t: torch.Tensor, n: int):
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    g = _group(group)
+    g = resolve_group(group)
     n = g.backend.world_size
     fn = "all_to_all_single"
     _check_tensor(fn, "output", output)
@@ -171,38 +171,38 @@ def _rooted_list_args(fn: str, g, tensor, tensor_list, root_rank: int, root_name
 
 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
-    g = _group(group)
+    g = resolve_group(group)
     root, gather_list = _rooted_list_args("gather", g, tensor, gather_list, dst, "dst", "gather_list")
     return g.backend.gather(tensor, gather_list, root, async_op)
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
-    g = _group(group)
+    g = resolve_group(group)
     root, scatter_list = _rooted_list_args("scatter", g, tensor, scatter_list, src, "src", "scatter_list")
     return g.backend.scatter(tensor, scatter_list, root, async_op)
 
 
 def send(tensor, dst, group=None, tag=0):
-    g = _group(group)
+    g = resolve_group(group)
     _check_tensor("send", "tensor", tensor)
     g.backend.send(tensor, g.group_rank(dst, "dst"), False)
 
 
 def recv(tensor, src, group=None, tag=0):
-    g = _group(group)
+    g = resolve_group(group)
     _check_tensor("recv", "tensor", tensor)
     g.backend.recv(tensor, g.group_rank(src, "src"), False)
     return src
 
 
 def isend(tensor, dst, group=None, tag=0) -> Work:
-    g = _group(group)
+    g = resolve_group(group)
     _check_tensor("isend", "tensor", tensor)
     return g.backend.send(tensor, g.group_rank(dst, "dst"), True)
 
 
 def irecv(tensor, src, group=None, tag=0) -> Work:
-    g = _group(group)
+    g = resolve_group(group)
     _check_tensor("irecv", "tensor", tensor)
     return g.backend.recv(tensor, g.group_rank(src, "src"), True)
 
@@ -214,7 +214,7 @@ def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
         raise ValueError("batch_isend_irecv: expected a non-empty list of pynccl.P2POp")
     # NOTE: called per micro-batch by pipelines: the common case is one dict lookup per op;
     # messages are built only when something is wrong.
-    g = _group(p2p_op_list[0].group if isinstance(p2p_op_list[0], P2POp) else None)
+    g = resolve_group(p2p_op_list[0].group if isinstance(p2p_op_list[0], P2POp) else None)
     rank_of = g._group_rank_of
     ops = []
     for p in p2p_op_list:
@@ -241,7 +241,7 @@ def barrier(group=None, async_op=False, device_ids=None):
     """Blocks the host until every rank of the group arrives (bounded by the group's timeout).
     async_op=True is accepted for torch compatibility and returns an already completed Work;
     device_ids is accepted and ignored (the group's device is known)."""
-    _group(group).backend.barrier()
+    resolve_group(group).backend.barrier()
     return _COMPLETED if async_op else None
 
 
@@ -267,7 +267,7 @@ def _object_to_tensor(obj, device) -> torch.Tensor:
 
 def all_gather_object(object_list: list, obj, group=None) -> None:
     """Pickle-based all-gather of Python objects (for metadata, not for hot paths)."""
-    g = _group(group)
+    g = resolve_group(group)
     n = g.world_size
     if not isinstance(object_list, list):
         raise TypeError(f"all_gather_object: object_list must be a list, got {type(object_list).__name__}")
@@ -289,7 +289,7 @@ def all_gather_object(object_list: list, obj, group=None) -> None:
 
 def broadcast_object_list(object_list: list, src: int = 0, group=None) -> None:
     """Replace `object_list`'s entries on every rank with those of global rank `src`."""
-    g = _group(group)
+    g = resolve_group(group)
     dev = g.backend.device
     root = g.group_rank(src, "src")
     payload = _object_to_tensor(list(object_list), dev) if g.rank == root else None

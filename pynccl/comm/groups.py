@@ -153,14 +153,16 @@ def _maybe_checked(backend, name: str):
 def flight_record(group=None) -> List[dict]:
     """The group's last collectives (oldest first): op, seq, dtype, count, peer, state,
     enqueue_time_us. Also written as JSON when an op of the group fails or times out."""
-    return _group(group).backend.flight_record()
+    return resolve_group(group).backend.flight_record()
 
 
 def is_initialized() -> bool:
     return _state.initialized
 
 
-def _group(group) -> ProcessGroup:
+def resolve_group(group) -> ProcessGroup:
+    """The ProcessGroup `group` stands for: the default group for None. TypeError for anything but
+    a pynccl ProcessGroup. Also for the layers above that keep a group (DDP's reducer, PipelineStage)."""
     if group is None:
         return _state.world
     if type(group) is not ProcessGroup:
@@ -187,26 +189,26 @@ def get_store():
 
 
 def get_rank(group=None) -> int:
-    g = _group(group)
+    g = resolve_group(group)
     return _require_usable(g).rank if g is _state.world else g.rank
 
 
 def get_world_size(group=None) -> int:
-    g = _group(group)
+    g = resolve_group(group)
     return _require_usable(g).world_size if g is _state.world else g.world_size
 
 
 def get_backend(group=None) -> str:
-    return _require_usable(_group(group)).backend_name
+    return _require_usable(resolve_group(group)).backend_name
 
 
 def get_device(group=None) -> torch.device:
     """The device this group's tensors must live on (cuda:N for nccl, cpu for gloo)."""
-    return _group(group).backend.device
+    return resolve_group(group).backend.device
 
 
 def get_process_group_ranks(group=None) -> List[int]:
-    return list(_group(group).ranks)
+    return list(resolve_group(group).ranks)
 
 
 def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Optional[str] = None) -> ProcessGroup:
@@ -258,7 +260,7 @@ def destroy_process_group(group=None) -> None:
         if gloo:
             _let_gloo_workers_finish()
         return
-    g = _group(group)
+    g = resolve_group(group)
     _destroy_one(g)
     if g in _state.groups:
         _state.groups.remove(g)
@@ -286,7 +288,7 @@ def _destroy_one(g: ProcessGroup):
 
 def abort_process_group(group=None) -> None:
     """Abort (local, never blocks) `group` or every group; the groups are unusable after."""
-    targets = list(_state.groups) if group is None else [_group(group)]
+    targets = list(_state.groups) if group is None else [resolve_group(group)]
     for g in targets:
         be = g.backend
         g.backend = _Unusable(RuntimeError(f"pynccl: process group '{g.name}' was aborted"))

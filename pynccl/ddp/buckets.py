@@ -6,13 +6,8 @@ ZeRO-2 with reduce-scatter. The reduction is the caller's; this file only decide
 
 API
 ---
-``assign_buckets(tensors, first_cap_bytes, cap_bytes) -> list[list[int]]``
-    Pure logic (no processes, works on meta tensors): walks `tensors` in the given order,
-    one open bucket per (dtype, device); a bucket closes once it holds >= its cap (the first
-    bucket of each key `first_cap_bytes`, later ones `cap_bytes`); a tensor of `cap_bytes` or
-    more gets a bucket of its own (the open bucket closes before it, under its cap). Buckets
-    come back in the order they would become ready if gradients arrived in the given order
-    (sorted by the position of their last member).
+Which parameters share a bucket is pynccl.comm.coalesced.assign_buckets (shared with the
+coalesced broadcast); this file adds the buffers and the ready hooks.
 
 ``GradBucketer(params, on_bucket_ready, on_backward_end=None, *, bucket_cap_bytes=25 MiB,
 first_bucket_cap_bytes=1 MiB, param_names=None, pad_to=1)``
@@ -48,7 +43,7 @@ b.buffer, 1 / N), reduce_scatter_tensor(shard_of(b), b.buffer, async_op=True), f
 pad_to=N)``; wait for the works in ``on_backward_end``.
 
 Nothing here synchronises with the device or allocates per step, so a captured step
-replays the same kernels (see ddp.py on CUDA graphs).
+replays the same kernels (see module.py on CUDA graphs).
 """
 from __future__ import annotations
 
@@ -59,42 +54,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-MiB = 1024 * 1024
+from ..comm.coalesced import MiB, assign_buckets
+
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
 DEFAULT_BUCKET_BYTES = 25 * MiB
-
-
-def assign_buckets(tensors: Sequence[torch.Tensor], first_cap_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
-                   cap_bytes: int = DEFAULT_BUCKET_BYTES) -> List[List[int]]:
-    """Positions into `tensors`, grouped into buckets; see the module docstring."""
-    if first_cap_bytes <= 0 or cap_bytes <= 0:
-        raise ValueError(f"assign_buckets: caps must be positive, got first_cap_bytes={first_cap_bytes}, "
-                         f"cap_bytes={cap_bytes}")
-    open_buckets: Dict[tuple, List[int]] = {}
-    open_bytes: Dict[tuple, int] = {}
-    num_closed: Dict[tuple, int] = {}
-    closed: List[List[int]] = []
-    def close(key) -> None:
-        closed.append(open_buckets.pop(key))
-        open_bytes.pop(key)
-        num_closed[key] = num_closed.get(key, 0) + 1
-
-    for pos, t in enumerate(tensors):
-        key = (t.dtype, t.device)
-        nbytes = t.numel() * t.element_size()
-        if nbytes >= cap_bytes and open_buckets.get(key):
-            # NOTE: an oversized tensor (a tied embedding) goes alone: the small tensors before
-            # it are reduced while its gradient is still being computed, not after.
-            close(key)
-        cap = first_cap_bytes if num_closed.get(key, 0) == 0 else cap_bytes
-        open_buckets.setdefault(key, []).append(pos)
-        open_bytes[key] = open_bytes.get(key, 0) + nbytes
-        if open_bytes[key] >= cap:
-            close(key)
-    closed.extend(b for b in open_buckets.values() if b)
-    # A bucket is ready when its last member is: that is the order they are reduced in.
-    closed.sort(key=lambda b: b[-1])
-    return closed
 
 
 def _hook_via(ref, idx: int, param: torch.Tensor) -> None:

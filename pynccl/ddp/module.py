@@ -26,8 +26,8 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from ..comm import distributed as dist
-from .reducer import Reducer, broadcast_from_rank0, coalesced_broadcaster
-from .buckets import MiB
+from ..comm.coalesced import MiB, broadcast_from_rank0, coalesced_broadcaster
+from .reducer import Reducer
 from .sync_batchnorm import SyncBatchNorm
 
 __all__ = ["DistributedDataParallel", "SyncBatchNorm"]

@@ -1,46 +1,18 @@
 """DDP's reduction of gradient buckets: pack (1/N fused) -> comm hook -> unpack, plus unused
 parameters, the one-time bucket rebuild in gradient-ready order, and the broadcasts of module
-state from rank 0. Policy only: when a bucket is ready is grad_buckets.py's business, how bytes
+state from rank 0. Policy only: when a bucket is ready is buckets.py's business, how bytes
 move is the Backend's (pack/unpack are one CUDA kernel on nccl, torch ops on gloo).
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from typing import List
 
 import torch
 
 from . import hooks as comm_hooks
-from .buckets import DEFAULT_FIRST_BUCKET_BYTES, MiB, Bucket, GradBucketer, assign_buckets
-from ..comm.groups import _group
+from .buckets import DEFAULT_FIRST_BUCKET_BYTES, Bucket, GradBucketer
+from ..comm.groups import resolve_group
 from ..comm.reduce_op import ReduceOp
-
-_BROADCAST_CAP_BYTES = 250 * MiB
-
-
-def coalesced_broadcaster(tensors: Sequence[torch.Tensor]) -> Callable:
-    """A function backend -> None that broadcasts `tensors` in place from group rank 0: one
-    collective per dtype group (up to 250 MiB each) into buffers allocated here, once."""
-    groups = []
-    for idxs in assign_buckets(tensors, _BROADCAST_CAP_BYTES, _BROADCAST_CAP_BYTES):
-        ts = [tensors[i] for i in idxs]
-        flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device)
-        groups.append((ts, flat))
-
-    @torch.no_grad()
-    def broadcast(backend) -> None:
-        for ts, flat in groups:
-            if backend.rank == 0:
-                backend.pack(ts, flat, 1.0)
-            backend.broadcast(flat, 0)
-            if backend.rank != 0:
-                backend.unpack(flat, ts, 1.0)
-    return broadcast
-
-
-def broadcast_from_rank0(backend, tensors: Sequence[torch.Tensor]) -> None:
-    if tensors:
-        coalesced_broadcaster(tensors)(backend)
-
 
 def _flatten_tensors(obj, out: List[torch.Tensor]) -> None:
     if isinstance(obj, torch.Tensor):
@@ -138,7 +110,7 @@ class Reducer:
         if self.pack_stream is None or not self._allow_fused or self.hook not in comm_hooks.SUM_HOOKS:
             return None
         try:
-            backend = _group(self.hook_state).backend
+            backend = resolve_group(self.hook_state).backend
         except TypeError:            # not a pynccl group: the hook itself will say so when called
             return None
         comm = getattr(backend, "comm", None)

@@ -33,9 +33,8 @@ import torch
 from torch import nn
 
 from ..comm import distributed as dist
-from ..ddp.reducer import broadcast_from_rank0
+from ..comm.coalesced import MiB, broadcast_from_rank0
 from ..comm.distributed import ProcessGroup
-from ..ddp.buckets import MiB
 from . import checkpoint, clip
 from . import state_dict as _state_dict
 from .memory import held_bytes
