@@ -1,5 +1,5 @@
 """Nothing hangs, nothing is lost: time-outs, dead ranks, mismatch detection, flight recorder,
-rendezvous errors (gloo backend; the NCCL watchdog is tested in test_nccl_single_gpu.py)."""
+rendezvous errors (gloo backend; the NCCL watchdog is tested in test_nccl_timeouts_lifecycle.py)."""
 import json
 import os
 import signal
