@@ -3,15 +3,17 @@
 The hot path is the C++ method itself: __init__ binds each Communicator method whose signature
 matches base.Backend as an instance attribute, so `backend.all_reduce(t, op, async_op)` goes
 straight from Python into C++ (op is a ReduceOp int or a PremulSum; C++ reads both).
-all_reduce/reduce/broadcast also take output= (last keyword): one out-of-place NCCL call. The
-methods defined on the class are the same calls spelled out, for readers and for the ABC.
+all_reduce/reduce/broadcast also take output= (last keyword): one out-of-place NCCL call. On the
+class the same names are generated forwarders with base.Backend's signatures: they satisfy the
+ABC and document the interface, and only a call through the class (NcclBackend.op(b, ...)) runs one.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import datetime
-from typing import List, Optional, Sequence, Union
+import inspect
+import os
+from typing import List, Optional, Union
 
 import torch
 
@@ -50,11 +52,40 @@ def _device_index(device: Union[int, str, torch.device]) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+# base.Backend ops that pynccl._C.Communicator implements with the same signature, and the bucket
+# kernels, which are module functions of _C.
+_COMM_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+             "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "send", "recv",
+             "batch_isend_irecv", "barrier")
+_KERNELS = ("pack", "unpack")
+
+
+def _forwarder(name: str):
+    """NcclBackend.<name> on the class: calls the C++ op, with base.Backend's signature."""
+    if name in _KERNELS:
+        def op(self, *args, **kwargs):
+            return getattr(_ext._C, name)(*args, **kwargs)
+    else:
+        def op(self, *args, **kwargs):
+            return getattr(self.comm, name)(*args, **kwargs)
+    interface = getattr(Backend, name)
+    op.__name__ = name
+    op.__qualname__ = f"NcclBackend.{name}"
+    op.__doc__ = interface.__doc__
+    op.__signature__ = inspect.signature(interface)
+    return op
+
+
+# NOTE: a base class, not methods added after NcclBackend is built: ABCMeta decides which methods
+# are still abstract when the class is created.
+_CppOps = type("_CppOps", (), {name: _forwarder(name) for name in _COMM_OPS + _KERNELS})
+
+
 def _seconds(timeout: Union[float, datetime.timedelta]) -> float:
     return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
 
 
-class NcclBackend(Backend):
+class NcclBackend(_CppOps, Backend):
     """base.Backend over pynccl._C.Communicator; `comm` is the C++ object for everything else
     (flight_record(), track_sync_ops, get_async_error(), ...)."""
 
@@ -65,24 +96,12 @@ class NcclBackend(Backend):
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.device = torch.device("cuda", comm.device)
-        # NOTE: hot path. Each attribute is the bound C++ method: no Python frame per call.
-        self.all_reduce = comm.all_reduce
-        self.broadcast = comm.broadcast
-        self.reduce = comm.reduce
-        self.all_gather = comm.all_gather
-        self.all_gather_into_tensor = comm.all_gather_into_tensor
-        self.reduce_scatter = comm.reduce_scatter
-        self.reduce_scatter_tensor = comm.reduce_scatter_tensor
-        self.all_to_all = comm.all_to_all
-        self.all_to_all_single = comm.all_to_all_single
-        self.gather = comm.gather
-        self.scatter = comm.scatter
-        self.send = comm.send
-        self.recv = comm.recv
-        self.batch_isend_irecv = comm.batch_isend_irecv
-        self.barrier = comm.barrier
-        self.pack = _ext._C.pack
-        self.unpack = _ext._C.unpack
+        # NOTE: hot path. Each op is the bound C++ method, set on the instance so that it shadows
+        # the class's forwarder: no Python frame per call.
+        for name in _COMM_OPS:
+            setattr(self, name, getattr(comm, name))
+        for name in _KERNELS:
+            setattr(self, name, getattr(_ext._C, name))
 
     @classmethod
     def create(cls, unique_id: bytes, world_size: int, rank: int, device: Union[int, str, torch.device],
@@ -124,59 +143,6 @@ class NcclBackend(Backend):
 
     def is_aborted(self) -> bool:
         return self.comm.is_aborted()
-
-    # --- base.Backend, spelled out (instances use the bound C++ methods above) ----------
-    def all_reduce(self, tensor, op, async_op=False, output=None):  # noqa: F811
-        return self.comm.all_reduce(tensor, op, async_op, output=output)
-
-    def broadcast(self, tensor, root, async_op=False, output=None):  # noqa: F811
-        return self.comm.broadcast(tensor, root, async_op, output=output)
-
-    def reduce(self, tensor, root, op, async_op=False, output=None):  # noqa: F811
-        return self.comm.reduce(tensor, root, op, async_op, output=output)
-
-    def all_gather(self, output_list, input, async_op=False):  # noqa: F811
-        return self.comm.all_gather(output_list, input, async_op)
-
-    def all_gather_into_tensor(self, output, input, async_op=False):  # noqa: F811
-        return self.comm.all_gather_into_tensor(output, input, async_op)
-
-    def reduce_scatter(self, output, input_list, op, async_op=False):  # noqa: F811
-        return self.comm.reduce_scatter(output, input_list, op, async_op)
-
-    def reduce_scatter_tensor(self, output, input, op, async_op=False):  # noqa: F811
-        return self.comm.reduce_scatter_tensor(output, input, op, async_op)
-
-    def all_to_all(self, output_list, input_list, async_op=False):  # noqa: F811
-        return self.comm.all_to_all(output_list, input_list, async_op)
-
-    def all_to_all_single(self, output, input, output_split_sizes: Optional[Sequence[int]],  # noqa: F811
-                          input_split_sizes: Optional[Sequence[int]], async_op=False):
-        return self.comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
-
-    def gather(self, input, gather_list, root, async_op=False):  # noqa: F811
-        return self.comm.gather(input, gather_list, root, async_op)
-
-    def scatter(self, output, scatter_list, root, async_op=False):  # noqa: F811
-        return self.comm.scatter(output, scatter_list, root, async_op)
-
-    def send(self, tensor, peer, async_op=False):  # noqa: F811
-        return self.comm.send(tensor, peer, async_op)
-
-    def recv(self, tensor, peer, async_op=False):  # noqa: F811
-        return self.comm.recv(tensor, peer, async_op)
-
-    def batch_isend_irecv(self, ops):  # noqa: F811
-        return self.comm.batch_isend_irecv(ops)
-
-    def barrier(self):  # noqa: F811
-        self.comm.barrier()
-
-    def pack(self, tensors, flat, scale=1.0):  # noqa: F811
-        _ext._C.pack(tensors, flat, scale)
-
-    def unpack(self, flat, tensors, scale=1.0):  # noqa: F811
-        _ext._C.unpack(flat, tensors, scale)
 
     # --- life cycle ------------------------------------------------------------------------
     def split(self, ranks: List[int], timeout, name: str = "") -> Optional["NcclBackend"]:
