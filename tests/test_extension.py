@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pynccl import _ext
+from pynccl.comm.flight_recorder import FILE_KEYS
 from pynccl.errors import CommTimeoutError, PyncclError
 
 
@@ -118,6 +119,7 @@ def test_flight_record_file_is_json(tmp_path, monkeypatch):
     assert path.startswith(str(tmp_path / "a" / "b")) and path.endswith(".json"), path
     record = json.load(open(path))
     assert record["group"] == 'dp "group"/1' and record["rank"] == 3 and record["world_size"] == 2
+    assert tuple(record) == FILE_KEYS   # the gloo recorder writes the same keys (flight_recorder.py)
     assert record["reason"] == "watchdog: all_reduce (seq 7)\ttimed out"
     assert [e["state"] for e in record["entries"]] == ["completed", "timed_out"]
     assert record["entries"][1] == {"seq": 1, "op": "broadcast", "dtype": "BFloat16", "count": 1 << 20, "peer": 0,

@@ -94,7 +94,7 @@ class GlooBackend(Backend):
             timed_out = "timed out" in msg.lower() or "timeout" in msg.lower()
             if record is not None:
                 record["state"] = "timed_out" if timed_out else "failed"
-            path = self.recorder.dump(self.group_name, self.rank, f"{where}: {msg}")
+            path = self.recorder.dump(self.group_name, self.rank, self.world_size, self.seq, f"{where}: {msg}")
             if timed_out:
                 raise CommTimeoutError(f"{where} timed out after {self.timeout_s:.1f}s "
                                        f"(flight record: {path}): {msg}") from e
