@@ -1,5 +1,5 @@
 """Process groups and their life cycle: the default group, init (rendezvous + backend),
-new_group, destroy/abort, and the small state every collective reads (pynccl.collectives).
+new_group, destroy/abort, and the small state every collective reads (collectives.py).
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ folded in), reduced by one collective that starts the moment the bucket is full,
 communicator's stream while backward goes on, and unpacked by one launch at the end of backward,
 which only makes the current stream wait (Work.wait(): no host sync). On CUDA the pack runs on a
 side stream, so it too overlaps the rest of backward, and with a built-in hook a bucket's pack and
-collective are one C++ call (ddp_reducer.py). Bucketing and the gradient-ready
-hooks are grad_buckets.py (shared with ZeRO); the reduction is a comm hook (comm_hooks.py).
+collective are one C++ call (reducer.py). Bucketing and the gradient-ready
+hooks are buckets.py (shared with ZeRO); the reduction is a comm hook (hooks.py).
 Written once against the Backend interface: the same code runs on gloo (CPU) and nccl (CUDA).
 
 CUDA graphs: a whole step (forward, backward, reduction, optimizer step with capturable=True) can
@@ -64,7 +64,7 @@ def _to_device(obj, device: torch.device):
 class DistributedDataParallel(nn.Module):
     """Data parallelism over a pynccl group; torch.nn.parallel.DistributedDataParallel's arguments.
 
-    Comm hooks see buckets already divided by world size (see comm_hooks.py). `dim` and
+    Comm hooks see buckets already divided by world size (see hooks.py). `dim` and
     `output_device` are kept for compatibility: single-device modules only, as torch today.
     """
 
@@ -171,5 +171,5 @@ class DistributedDataParallel(nn.Module):
 
     def register_comm_hook(self, state, hook) -> None:
         """hook(state, GradBucket) -> object whose wait() returns the reduced flat gradient;
-        see comm_hooks.py (buckets arrive already divided by world size). Once, before training."""
+        see hooks.py (buckets arrive already divided by world size). Once, before training."""
         self.reducer.register_comm_hook(state, hook)

@@ -2,9 +2,9 @@
 written once against it and never branches on the backend's name.
 
 Ranks here (root, src, dst, peer) are *group-local* (0 .. world_size-1): the
-torch.distributed-like functions in pynccl.distributed translate global ranks first.
+torch.distributed-like functions in pynccl.comm.distributed translate global ranks first.
 Structural checks that do not depend on the backend (list lengths, size and dtype
-mismatches, rank ranges) are done once in pynccl.distributed before a backend is called;
+mismatches, rank ranges) are done once in pynccl.comm.distributed before a backend is called;
 a backend checks what only it knows (devices, dtypes it supports).
 Every op returns None when async_op=False, else a Work.
 """
@@ -34,7 +34,7 @@ class P2POp:
     """One send or recv of a batch_isend_irecv call (torch.distributed.P2POp's shape).
 
     `op` is pynccl.isend or pynccl.irecv (or the strings "isend"/"irecv"); `peer` is a
-    global rank, translated to a group rank by pynccl.distributed.
+    global rank, translated to a group rank by pynccl.comm.distributed.
     """
 
     __slots__ = ("op", "tensor", "peer", "group", "is_send")
