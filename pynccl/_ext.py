@@ -66,7 +66,7 @@ def nccl_version() -> NcclVersion:
 
 
 def loaded_nccl_libraries() -> list:
-    """Paths of every libnccl mapped into this process (DESIGN.md §2: there must be one)."""
+    """Paths of every libnccl mapped into this process (docs/design.md §1: there must be one)."""
     paths = set()
     try:
         with open("/proc/self/maps") as maps:
