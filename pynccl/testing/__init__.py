@@ -10,6 +10,9 @@ code checked, the failing rank named with its traceback.
 
 Processes are forked when the parent has not initialised CUDA (much faster than spawn:
 torch is already imported), and spawned otherwise.
+
+reference_models.py holds the unsharded GPT-2 modules that tests and benchmarks compare the
+tensor-parallel ones against.
 """
 from __future__ import annotations
 
