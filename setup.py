@@ -1,6 +1,6 @@
 """Build of pynccl: the pure-Python package plus pynccl._C (C++/CUDA, torch.utils.cpp_extension).
 
-This is the one real build (DESIGN.md §2); CMakeLists.txt mirrors it for IDEs and C++ tests.
+This is the one real build (docs/design.md §1); CMakeLists.txt mirrors it for IDEs and C++ tests.
     pip install --no-build-isolation -e .        # against the torch already installed
 NCCL comes from the nvidia-nccl wheel torch depends on (nvidia.nccl.__path__), or $NCCL_HOME.
 Without a CUDA torch or a CUDA compiler, the pure-Python package still installs (gloo works)

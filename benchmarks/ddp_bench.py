@@ -149,7 +149,7 @@ class Trainer:
         return ev, host
 
     def _capture(self):
-        # Eager warm-up on a side stream builds, then rebuilds, the buckets (see pynccl/ddp.py).
+        # Eager warm-up on a side stream builds, then rebuilds, the buckets (see pynccl/ddp/module.py).
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

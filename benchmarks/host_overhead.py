@@ -65,8 +65,8 @@ def main(argv=None):
 
     import pynccl
     from pynccl import _ext
-    from pynccl.backends.nccl import NcclBackend
-    from pynccl.reduce_op import ReduceOp
+    from pynccl.comm.backends.nccl import NcclBackend
+    from pynccl.comm.reduce_op import ReduceOp
     c = _ext.require_extension("benchmarks/host_overhead.py")
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",

@@ -15,7 +15,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x "$ROOT/.venv/bin/python" ]; then PY=$ROOT/.venv/bin/python; else PY=python3; fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 N=${2:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
-# NOTE: BENCHMARKS.md's reference numbers are with NVLink SHARP off; keep ours comparable.
+# NOTE: nccl-tests' reference figures (docs/benchmarks.md) are with NVLink SHARP off; keep ours comparable.
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 mkdir -p "$OUT"
 

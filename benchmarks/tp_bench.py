@@ -38,6 +38,7 @@ import pynccl
 import pynccl.tensor_parallel as tp
 from pynccl.tensor_parallel import comm as tp_comm
 from pynccl.testing import run_multiprocess
+from pynccl.testing.reference_models import TransformerBlock
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -68,13 +69,13 @@ class _Timer:
 
 
 class _Intercept:
-    """Stands in for pynccl.distributed inside tensor_parallel.comm: timed or no-op collectives."""
+    """Stands in for pynccl.comm.distributed inside tensor_parallel.comm: timed or no-op collectives."""
 
     def __init__(self, mode, timer):
         self.mode, self.timer, self.pairs = mode, timer, []
 
     def __getattr__(self, name):
-        real = getattr(pynccl.distributed, name)
+        real = getattr(pynccl.comm.distributed, name)
         if name not in _COLLECTIVES:
             return real
 
@@ -155,7 +156,7 @@ def case(rank, world_size, a):
     dtype = _DTYPES[a.dtype if dev.type == "cuda" else "fp32"]
     timer = _Timer(dev)
     torch.manual_seed(0)
-    ref = tp.TransformerBlock(a.hidden, a.heads, a.ffn, device=dev, dtype=dtype)
+    ref = TransformerBlock(a.hidden, a.heads, a.ffn, device=dev, dtype=dtype)
     x = torch.randn(a.seq, a.batch, a.hidden, device=dev, dtype=dtype)
     dy = torch.randn_like(x)
     rows = {"reference": _variant(ref, x.clone().requires_grad_(), dy, timer, a, False)}

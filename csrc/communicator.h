@@ -1,6 +1,6 @@
 // class Communicator: owns one ncclComm_t, its stream, its event pool, its watchdog thread and
 // its flight recorder. Collectives live in collectives.cpp / p2p.cpp and go through one
-// OpScope each, which picks the stream (DESIGN.md §4), records the op in the flight recorder
+// OpScope each, which picks the stream (docs/design.md §2), records the op in the flight recorder
 // and hands its completion event to the watchdog. Every NCCL call is made with in_flight_
 // raised, so abort() (from any thread) never frees the comm under a running call.
 #pragma once

@@ -1,4 +1,4 @@
-// torch dtype -> ncclDataType_t and the reduction enum shared with pynccl/reduce_op.py.
+// torch dtype -> ncclDataType_t and the reduction enum shared with pynccl/comm/reduce_op.py.
 // Complex tensors travel as pairs of reals; bool travels as uint8 (SUM/PRODUCT become MAX/MIN,
 // i.e. logical or/and, as torch.distributed does). fp8 needs NCCL >= 2.24 in the headers and
 // in the loaded library.
@@ -17,7 +17,7 @@ struct Text<c10::ScalarType> {
   static std::string of(c10::ScalarType dtype) { return c10::toString(dtype); }
 };
 
-// NOTE: the values are pynccl.ReduceOp's (pynccl/reduce_op.py); keep them in sync.
+// NOTE: the values are pynccl.ReduceOp's (pynccl/comm/reduce_op.py); keep them in sync.
 enum class ReduceOp : int { kSum = 0, kProduct = 1, kMax = 2, kMin = 3, kAvg = 4, kPremulSum = 5 };
 constexpr int kNumReduceOps = 6;
 

@@ -1,5 +1,5 @@
 // What the NCCL library loaded at run time can do. The headers used at build time and the
-// library found at run time can differ (DESIGN.md §2), so features newer than our floor are
+// library found at run time can differ (docs/design.md §1), so features newer than our floor are
 // gated on ncclGetVersion and their entry points are looked up in the loaded libnccl rather
 // than linked: an extension built against 2.28 headers still imports on a 2.27 library.
 #pragma once

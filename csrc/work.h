@@ -1,7 +1,7 @@
 // Work: the handle of an op started with async_op=True, and the event pool it draws from.
 // The op ran on the communicator's stream; wait() makes the caller's current stream wait on
 // its end event (no host block) and only then lets go of the tensors, so no record_stream is
-// needed (DESIGN.md §4). The watchdog holds the same WorkState until the event completes, so
+// needed (docs/design.md §2). The watchdog holds the same WorkState until the event completes, so
 // a Work dropped without wait() still keeps its tensors alive for as long as the GPU uses them.
 #pragma once
 

@@ -20,7 +20,7 @@ except ImportError as e:  # not built, or built against another torch/NCCL
     _C = None
     _IMPORT_ERROR = e
 else:
-    from pynccl.backends.base import Work as _Work
+    from pynccl.comm.backends.base import Work as _Work
     _Work.register(_C.Work)  # C++ Work handles are base.Work for isinstance checks, whoever imports first
 
 _BUILD_HINT = (
@@ -66,7 +66,7 @@ def nccl_version() -> NcclVersion:
 
 
 def loaded_nccl_libraries() -> list:
-    """Paths of every libnccl mapped into this process (DESIGN.md §2: there must be one)."""
+    """Paths of every libnccl mapped into this process (docs/design.md §1: there must be one)."""
     paths = set()
     try:
         with open("/proc/self/maps") as maps:

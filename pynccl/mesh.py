@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from . import distributed as dist
+from .comm import distributed as dist
 
 
 # Which mesh axis a model dimension is split along (check_divides); every other name: tp.

@@ -46,7 +46,7 @@ def test_bus_bandwidth_factors_match_the_table():
     for name, factor in expected.items():
         assert get_op(name).bus_factor(n) == pytest.approx(factor), name
     assert get_op("all_reduce").bus_factor(1) == 0.0
-    # BENCHMARKS.md's example row: 1 MiB all_reduce in 30.12 us on 8 ranks.
+    # docs/benchmarks.md's example row: 1 MiB all_reduce in 30.12 us on 8 ranks.
     algbw, busbw = bandwidths(1048576, 30.12e-6, get_op("all_reduce").bus_factor(8))
     assert (round(algbw, 2), round(busbw, 2)) == (34.81, 60.92)
 

@@ -16,7 +16,7 @@ import torch.utils.checkpoint as ckpt
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pynccl
-from pynccl import comm_hooks
+from pynccl.ddp import hooks as comm_hooks
 from pynccl.testing import run_multiprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pynccl
-from pynccl import comm_hooks
+from pynccl.ddp import hooks as comm_hooks
 from pynccl.testing import run_multiprocess
 
 STEPS = 6

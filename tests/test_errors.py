@@ -1,5 +1,5 @@
 """Bad input gets a clear exception naming what was expected, never a crash or a hang.
-The gloo cases run in one 2-process run; the same checks on NCCL are in test_nccl_single_gpu.py."""
+The gloo cases run in one 2-process run; the same checks on NCCL are in test_nccl_inputs_buckets.py."""
 import pytest
 import torch
 

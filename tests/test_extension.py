@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pynccl import _ext
+from pynccl.comm.flight_recorder import FILE_KEYS
 from pynccl.errors import CommTimeoutError, PyncclError
 
 
@@ -92,8 +93,8 @@ def test_require_extension_says_how_to_build(monkeypatch):
 
 
 def test_nccl_backend_implements_the_interface():
-    from pynccl.backends.base import Backend, Work
-    from pynccl.backends.nccl import NcclBackend
+    from pynccl.comm.backends.base import Backend, Work
+    from pynccl.comm.backends.nccl import NcclBackend
 
     assert issubclass(NcclBackend, Backend)
     assert not NcclBackend.__abstractmethods__
@@ -118,6 +119,7 @@ def test_flight_record_file_is_json(tmp_path, monkeypatch):
     assert path.startswith(str(tmp_path / "a" / "b")) and path.endswith(".json"), path
     record = json.load(open(path))
     assert record["group"] == 'dp "group"/1' and record["rank"] == 3 and record["world_size"] == 2
+    assert tuple(record) == FILE_KEYS   # the gloo recorder writes the same keys (flight_recorder.py)
     assert record["reason"] == "watchdog: all_reduce (seq 7)\ttimed out"
     assert [e["state"] for e in record["entries"]] == ["completed", "timed_out"]
     assert record["entries"][1] == {"seq": 1, "op": "broadcast", "dtype": "BFloat16", "count": 1 << 20, "peer": 0,
@@ -129,8 +131,8 @@ def test_flight_record_file_is_json(tmp_path, monkeypatch):
 def test_nccl_backend_signatures_match_the_interface():
     import inspect
 
-    from pynccl.backends.base import Backend
-    from pynccl.backends.nccl import NcclBackend
+    from pynccl.comm.backends.base import Backend
+    from pynccl.comm.backends.nccl import NcclBackend
 
     for name, member in inspect.getmembers(Backend, inspect.isfunction):
         if getattr(member, "__isabstractmethod__", False):

@@ -1,6 +1,6 @@
 """10,000 random calls, valid and invalid, against the gloo backend in subprocesses with a
 time-out: every call returns correct values or raises a Python exception; no crash, no hang.
-(The NCCL backend gets the same driver in test_nccl_single_gpu.py's GPU suite.)"""
+(The NCCL backend gets the same driver in test_fuzz_gpu.py.)"""
 import pytest
 
 from fuzz_driver import run_fuzz

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pynccl.grad_buckets import MiB, GradBucketer, assign_buckets
+from pynccl.comm.coalesced import MiB, assign_buckets
+from pynccl.ddp.buckets import GradBucketer
 
 
 def _meta(numel, dtype=torch.float32):

@@ -1,8 +1,8 @@
 """Pipeline parallelism on gloo against a single-process run on the whole batch: for GPipe and
 1F1B at p = 2, 3, 4 and m = 1, p, 2p, 8, the mean of the micro-batch losses and every parameter
 gradient match within 1e-5 (fp32), and each rank holds at most the schedule's bound of
-micro-batch activations. One process launch per p runs every check; fast process-free tests of
-the split helper and the metadata encoding come first."""
+micro-batch activations. One process launch per p runs every check (the split helper, metadata
+encoding and neighbour exchange are in test_pipeline_units.py)."""
 import contextlib
 import copy
 
@@ -11,78 +11,15 @@ import torch
 from torch import nn
 
 import pynccl
-from pynccl.comm_hooks import allreduce_hook
+from pynccl.ddp.hooks import allreduce_hook
 from pynccl.mesh import ParallelMesh
 from pynccl.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                              build_programs, build_stage_module, check, split_into_stages)
-from pynccl.pipeline.p2p import TensorMeta, decode_meta, encode_meta
 from pynccl.testing import run_multiprocess
 
 WIDTH = 8
 TOL = 1e-5
 mse = nn.functional.mse_loss
-
-
-# ----------------------------------------------------------------------------- no processes
-def test_split_balanced_by_parameters():
-    layers = [nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 40), nn.ReLU(), nn.Linear(40, 4)]
-    # params: 20, 0, 20, 200, 0, 164 -> the heaviest stage is as light as it can be (200), and
-    # holds as few layers as it can (the ReLU goes to the lighter stage after it).
-    assert split_into_stages(layers, 3) == [(0, 3), (3, 4), (4, 6)]
-    assert split_into_stages(nn.Sequential(*layers), 1) == [(0, 6)]
-    assert split_into_stages(layers, 6) == [(i, i + 1) for i in range(6)]
-    # Parameter-free layers alone: ties broken by layer count.
-    assert split_into_stages([nn.ReLU() for _ in range(6)], 3) == [(0, 2), (2, 4), (4, 6)]
-    assert split_into_stages(layers, 3, boundaries=[1, 4]) == [(0, 1), (1, 4), (4, 6)]
-
-
-def test_split_errors():
-    layers = [nn.Linear(2, 2) for _ in range(4)]
-    with pytest.raises(ValueError, match="cannot cut 4 layers into 5"):
-        split_into_stages(layers, 5)
-    with pytest.raises(ValueError, match="num_stages - 1 = 1"):
-        split_into_stages(layers, 2, boundaries=[1, 2])
-    with pytest.raises(ValueError, match="strictly increasing"):
-        split_into_stages(layers, 3, boundaries=[2, 2])
-    with pytest.raises(ValueError, match="strictly increasing"):
-        split_into_stages(layers, 2, boundaries=[4])
-    with pytest.raises(TypeError, match="nn.Sequential or a list"):
-        split_into_stages(nn.Linear(2, 2), 1)
-    with pytest.raises(TypeError, match=r"layers\[1\]"):
-        split_into_stages([nn.Linear(2, 2), 3], 1)
-    with pytest.raises(ValueError, match="stage_index must be in"):
-        build_stage_module(layers, 2, 2)
-
-
-def test_build_stage_module_builds_only_its_stage():
-    built = []
-
-    def factory(n_in, n_out):
-        def make():
-            layer = nn.Linear(n_in, n_out)
-            built.append((n_in, n_out, layer.weight.device.type))
-            return layer
-        return make
-
-    layers = [factory(4, 4), factory(4, 100), factory(100, 4), factory(4, 4)]
-    assert split_into_stages(layers, 2) == [(0, 2), (2, 4)]   # counted on the meta device
-    assert {d for *_, d in built} == {"meta"}
-    built.clear()
-    stage = build_stage_module(layers, 1, 2)
-    assert [b for b in built if b[2] != "meta"] == [(100, 4, "cpu"), (4, 4, "cpu")]
-    assert [tuple(m.weight.shape) for m in stage] == [(4, 100), (4, 4)]
-    assert all(p.device.type == "cpu" for p in stage.parameters())
-    seq = nn.Sequential(*[nn.Linear(3, 3) for _ in range(4)])
-    mod = build_stage_module(seq, 0, 2, boundaries=[1])
-    assert len(mod) == 1 and mod[0] is seq[0]
-
-
-def test_metadata_round_trip():
-    metas = [TensorMeta((4, 8), torch.float32), TensorMeta((4,), torch.int64), TensorMeta((), torch.bfloat16),
-             TensorMeta((2, 3, 5), torch.float64)]
-    assert decode_meta(encode_meta(metas)) == metas
-    with pytest.raises(TypeError, match="cannot send a tensor of dtype"):
-        encode_meta([TensorMeta((1,), torch.quint8)])
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -439,24 +376,3 @@ def _check_tuple_outputs(rank, p):
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_pipeline_gloo(p):
     assert run_multiprocess(_pipeline_case, p, timeout=120) == [True] * p
-
-
-def _connect_case(rank, ws):
-    from pynccl.pipeline.p2p import PipeTransport
-    t = PipeTransport(pynccl.get_default_group(), torch.device("cpu"))   # CPU: not connected at construction
-    t._connect_neighbours(nbytes=64)             # the exchange NCCL transports make when built
-    # Then a GPipe-shaped first batch: send to the next rank and receive from it, both at once.
-    nxt, prv = (rank + 1) % ws, (rank - 1) % ws
-    out = torch.full((3,), float(rank))
-    got_prev, got_next = torch.empty(3), torch.empty(3)
-    t.start([(out, nxt), (out, prv)], [(got_prev, prv), (got_next, nxt)]).wait()
-    return got_prev.tolist(), got_next.tolist()
-
-
-@pytest.mark.parametrize("ws", [2, 3])
-def test_neighbour_connection_exchange_is_matched(ws):
-    """The connect-at-construction exchange pairs every send with a receive (else it would hang
-    here on gloo as it would on NCCL) and leaves the channels in order for the next batch."""
-    out = run_multiprocess(_connect_case, ws, timeout=60)
-    for r, (prev, nxt) in enumerate(out):
-        assert prev == [float((r - 1) % ws)] * 3 and nxt == [float((r + 1) % ws)] * 3

@@ -1,5 +1,5 @@
 """Nothing hangs, nothing is lost: time-outs, dead ranks, mismatch detection, flight recorder,
-rendezvous errors (gloo backend; the NCCL watchdog is tested in test_nccl_single_gpu.py)."""
+rendezvous errors (gloo backend; the NCCL watchdog is tested in test_nccl_timeouts_lifecycle.py)."""
 import json
 import os
 import signal
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pynccl
+from pynccl.comm.flight_recorder import FILE_KEYS
 from pynccl.testing import run_multiprocess
 
 TIMEOUT_S = 3.0
@@ -37,6 +38,7 @@ def skipped_collective_case(rank, ws):
     with open(path) as f:
         dumped = json.load(f)
     assert dumped["entries"][-1]["seq"] == 2 and dumped["rank"] == 0
+    assert tuple(dumped) == FILE_KEYS and dumped["world_size"] == 2   # the C++ writer's keys
     return elapsed
 
 

@@ -1,7 +1,7 @@
 """Fault tests on NCCL across GPUs (skipped with fewer than 2): a killed rank and a skipped
 collective surface as exceptions on the survivors within the timeout, never as a hang; the
 processes can still exit cleanly afterwards. (The single-GPU watchdog and abort tests are in
-test_nccl_single_gpu.py; the same scenarios on gloo run in CI in test_reliability.py.)"""
+test_nccl_timeouts_lifecycle.py; the same scenarios on gloo run in CI in test_reliability.py.)"""
 import os
 import signal
 import time

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import pynccl
 import pynccl.tensor_parallel as tp
 from pynccl.testing import run_multiprocess
+from pynccl.testing.reference_models import CausalSelfAttention, MLP, TransformerBlock
 
 S, B, H, HEADS, FFN, VOCAB = 12, 2, 24, 12, 48, 49
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -131,12 +132,12 @@ def _layer_checks(group, dev, dtype, tol):
         _compare(par, ref, tokens, group, f"{tag} embedding", tol, out_local=seq if sp else None)
 
         in_out = dict(in_local=seq, out_local=seq) if sp else {}
-        ref = tp.MLP(H, FFN, device=dev, dtype=dtype)
+        ref = MLP(H, FFN, device=dev, dtype=dtype)
         _compare(tp.ParallelMLP.from_module(ref, group, sp), ref, x_h, group, f"{tag} MLP", tol, **in_out)
-        ref = tp.CausalSelfAttention(H, HEADS, device=dev, dtype=dtype)
+        ref = CausalSelfAttention(H, HEADS, device=dev, dtype=dtype)
         _compare(tp.ParallelCausalSelfAttention.from_module(ref, group, sp), ref, x_h, group, f"{tag} attention",
                  tol, **in_out)
-        ref = tp.TransformerBlock(H, HEADS, FFN, device=dev, dtype=dtype)
+        ref = TransformerBlock(H, HEADS, FFN, device=dev, dtype=dtype)
         _compare(tp.ParallelTransformerBlock.from_module(ref, group, sp), ref, x_h, group, f"{tag} block", tol,
                  **in_out)
 
@@ -147,7 +148,7 @@ class _MiniGPT(nn.Module):
     def __init__(self, dev, dtype):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, H, device=dev, dtype=dtype)
-        self.block = tp.TransformerBlock(H, HEADS, FFN, device=dev, dtype=dtype)
+        self.block = TransformerBlock(H, HEADS, FFN, device=dev, dtype=dtype)
         self.ln_f = nn.LayerNorm(H, device=dev, dtype=dtype)
 
     def loss(self, tokens, targets):
@@ -221,7 +222,7 @@ def _cross_entropy_checks(group, dev, tol):
 def _init_checks(group, dev):
     """Built from sizes = the unsharded module built under the same RNG state, sharded."""
     torch.manual_seed(11)
-    ref = nn.ModuleDict({"block": tp.TransformerBlock(H, HEADS, FFN, device=dev), "wte": nn.Embedding(VOCAB, H,
+    ref = nn.ModuleDict({"block": TransformerBlock(H, HEADS, FFN, device=dev), "wte": nn.Embedding(VOCAB, H,
                                                                                                        device=dev)})
     torch.manual_seed(11)
     par = nn.ModuleDict({"block": tp.ParallelTransformerBlock(H, HEADS, FFN, group=group, device=dev),
@@ -324,7 +325,7 @@ def _subgroup_checks(dev, tol):
     group = mesh.tp_group
     assert group.rank == mesh.tp_rank and group.world_size == 2
     torch.manual_seed(2)
-    ref = tp.TransformerBlock(H, HEADS, FFN, device=dev)
+    ref = TransformerBlock(H, HEADS, FFN, device=dev)
     x = _randn(S, B, H, seed=3, device=dev)
     seq = lambda t: _seq_shard(t, group)  # noqa: E731
     _compare(tp.ParallelTransformerBlock.from_module(ref, group, True), ref, x, group, "TP subgroup block", tol,

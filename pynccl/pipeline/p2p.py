@@ -13,8 +13,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .. import distributed as dist
-from ..backends.base import P2POp, Work
+from ..comm import distributed as dist
+from ..comm.backends.base import P2POp, Work
 
 # dtype <-> code in the metadata message; append only (codes are part of the wire format).
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,

@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .. import distributed as dist
-from ..groups import _group
+from ..comm import distributed as dist
+from ..comm.groups import resolve_group
 from .p2p import TensorMeta, tensor_meta
 
 
@@ -69,7 +69,7 @@ class PipelineStage:
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise ValueError(f"PipelineStage: need 0 <= stage_index < num_stages, got stage_index="
                              f"{stage_index}, num_stages={num_stages}")
-        pp_group = dist.get_default_group() if group is None else _group(group)
+        pp_group = dist.get_default_group() if group is None else resolve_group(group)
         pp_size = pp_group.world_size
         if num_stages % pp_size:
             raise ValueError(f"PipelineStage: num_stages ({num_stages}) must be a multiple of the pipeline "

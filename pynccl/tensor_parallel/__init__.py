@@ -5,7 +5,7 @@ vocabulary-parallel cross-entropy, the RNG tracker for dropout, and a GPT-2-styl
 Conventions
 * Layout [s, b, h], sequence first (as Megatron): sequence parallelism splits dim 0, so each
   rank's shard is one contiguous slab and the all-gather / reduce-scatter need no transposes.
-  The reference modules (MLP, CausalSelfAttention, TransformerBlock) use the same layout.
+  The unsharded reference modules (pynccl.testing.reference_models) use the same layout.
 * `group` is the TP ProcessGroup (pynccl.new_group / ParallelMesh), None for the default group.
   At TP size 1 no collective runs and the layers do what the unsharded ones do.
 * Sizes: out_features (column), in_features (row), ffn_hidden_size and num_heads must divide by
@@ -36,13 +36,11 @@ from .layers import (ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear,
                      column_parallel_linear, shard_like, shard_tensor)
 from .random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_cuda_rng_tracker, get_rng_tracker,
                      model_parallel_seed)
-from .reference import MLP, CausalSelfAttention, TransformerBlock
 from .transformer import ParallelCausalSelfAttention, ParallelMLP, ParallelTransformerBlock
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLayerNorm",
     "ParallelMLP", "ParallelCausalSelfAttention", "ParallelTransformerBlock",
-    "MLP", "CausalSelfAttention", "TransformerBlock",
     "vocab_parallel_cross_entropy", "column_parallel_linear", "shard_tensor", "shard_like",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",

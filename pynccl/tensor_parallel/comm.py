@@ -15,7 +15,7 @@ from typing import Sequence, Tuple
 
 import torch
 
-from .. import distributed as dist
+from ..comm import distributed as dist
 
 
 def _tp_size(group) -> int:

@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from .. import distributed as dist
-from ..reduce_op import ReduceOp
+from ..comm import distributed as dist
+from ..comm.reduce_op import ReduceOp
 
 _REDUCTIONS = ("mean", "sum", "none")
 

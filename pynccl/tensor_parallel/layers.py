@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import distributed as dist
+from ..comm import distributed as dist
 from .comm import (allreduce_grads_in_backward, gather_from_tensor_parallel_region, linear_with_tensor_parallel_input,
                    reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
                    scatter_to_tensor_parallel_region)

@@ -6,7 +6,8 @@ all-reduces forward and two backward. With sequence parallelism each sublayer co
 all-gather and a reduce-scatter forward, and backward an all-gather (row), a reduce-scatter
 (column) and the all-gather that rebuilds the column layer's input instead of storing it, plus
 one small all-reduce of replicated-parameter grads per LayerNorm and row bias. Names match the
-reference modules in reference.py, so sharded state_dicts have the same keys.
+unsharded reference modules (pynccl.testing.reference_models), so sharded state_dicts have the
+same keys; `from_module` takes any module with those names.
 Layout [s, b, h]; with sequence_parallel every input and output is this rank's (s/tp, b, h).
 """
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .. import distributed as dist
+from ..comm import distributed as dist
 from .layers import ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, check_divisible
 from .random import dropout, sharded_rng
-from .reference import CausalSelfAttention, MLP, TransformerBlock, causal_attention, check_heads, gelu
+from .functional import causal_attention, check_heads, gelu
 
 
 class ParallelMLP(nn.Module):
@@ -39,7 +40,7 @@ class ParallelMLP(nn.Module):
         self.sequence_parallel = sequence_parallel
 
     @classmethod
-    def from_module(cls, mlp: MLP, group=None, sequence_parallel: bool = False) -> "ParallelMLP":
+    def from_module(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False) -> "ParallelMLP":
         layer = cls(mlp.fc.in_features, mlp.fc.out_features, mlp.fc.bias is not None, mlp.dropout, group,
                     sequence_parallel, device="meta")
         layer.fc = ColumnParallelLinear.from_linear(mlp.fc, group, sequence_parallel=sequence_parallel)
@@ -74,7 +75,7 @@ class ParallelCausalSelfAttention(nn.Module):
         self.sequence_parallel = sequence_parallel
 
     @classmethod
-    def from_module(cls, attn: CausalSelfAttention, group=None,
+    def from_module(cls, attn: nn.Module, group=None,
                     sequence_parallel: bool = False) -> "ParallelCausalSelfAttention":
         layer = cls(attn.proj.in_features, attn.num_heads, attn.qkv.bias is not None, attn.attn_dropout,
                     attn.dropout, group, sequence_parallel, device="meta")
@@ -94,14 +95,14 @@ class ParallelCausalSelfAttention(nn.Module):
 
 class ParallelTransformerBlock(nn.Module):
     """Pre-LN block (x + attn(ln1(x)); x + mlp(ln2(x))) with replicated LayerNorms and
-    tensor-parallel attention and MLP. Built from sizes, it equals TransformerBlock built from the
-    same sizes under the same RNG state, sharded."""
+    tensor-parallel attention and MLP. Built from sizes, it equals reference_models.TransformerBlock
+    built from the same sizes under the same RNG state, sharded."""
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: Optional[int] = None, bias: bool = True,
                  dropout: float = 0.0, attn_dropout: float = 0.0, eps: float = 1e-5, group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
-        # NOTE: same creation order as TransformerBlock, so both draw the same initial weights.
+        # NOTE: same creation order as reference_models.TransformerBlock, so both draw the same initial weights.
         self.ln1 = ParallelLayerNorm(hidden_size, eps, bias=bias, group=group, sequence_parallel=sequence_parallel,
                                      device=device, dtype=dtype)
         self.attn = ParallelCausalSelfAttention(hidden_size, num_heads, bias, attn_dropout, dropout, group,
@@ -112,7 +113,7 @@ class ParallelTransformerBlock(nn.Module):
         self.sequence_parallel = sequence_parallel
 
     @classmethod
-    def from_module(cls, block: TransformerBlock, group=None,
+    def from_module(cls, block: nn.Module, group=None,
                     sequence_parallel: bool = False) -> "ParallelTransformerBlock":
         attn, mlp = block.attn, block.mlp
         layer = cls(attn.proj.in_features, attn.num_heads, mlp.fc.out_features, attn.qkv.bias is not None,

@@ -20,9 +20,9 @@ from typing import List
 
 import torch
 
-from .. import distributed as dist
+from ..comm import distributed as dist
 from ..checkpoint_io import atomic_save
-from ..reduce_op import ReduceOp
+from ..comm.reduce_op import ReduceOp
 from . import state_dict as sd
 from .layout import FlatLayout
 from .params import named_buffers_all

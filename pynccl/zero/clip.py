@@ -15,8 +15,8 @@ from typing import Dict, Iterable, List, Union
 
 import torch
 
-from .. import distributed as dist
-from ..reduce_op import ReduceOp
+from ..comm import distributed as dist
+from ..comm.reduce_op import ReduceOp
 
 
 def _local_stat(grads: List[torch.Tensor], norm_type: float, device) -> torch.Tensor:

@@ -13,8 +13,8 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from .. import distributed as dist
-from ..reduce_op import ReduceOp
+from ..comm import distributed as dist
+from ..comm.reduce_op import ReduceOp
 from .layout import FlatLayout
 
 

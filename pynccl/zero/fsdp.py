@@ -42,10 +42,9 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .. import distributed as dist
-from ..ddp_reducer import broadcast_from_rank0
-from ..distributed import ProcessGroup
-from ..grad_buckets import MiB
+from ..comm import distributed as dist
+from ..comm.coalesced import MiB, broadcast_from_rank0
+from ..comm.distributed import ProcessGroup
 from . import checkpoint, clip
 from . import state_dict as _state_dict
 from .memory import held_bytes

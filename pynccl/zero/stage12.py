@@ -24,7 +24,7 @@ from typing import List
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..grad_buckets import DEFAULT_FIRST_BUCKET_BYTES, GradBucketer
+from ..ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, GradBucketer
 from .flat_unit import ReduceQueue, ShardedUnit
 from .layout import FlatLayout
 from .params import ParamInfo, install

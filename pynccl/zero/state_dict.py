@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .. import distributed as dist
+from ..comm import distributed as dist
 from .layout import FlatLayout
 from .params import install, named_buffers_all
 

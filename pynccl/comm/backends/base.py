@@ -1,0 +1,116 @@
+"""The interface both backends implement; everything above it (DDP, ZeRO, TP, PP) is
+written once against it and never branches on the backend's name.
+
+Ranks here (root, src, dst, peer) are *group-local* (0 .. world_size-1): the
+torch.distributed-like functions in pynccl.comm.distributed translate global ranks first.
+Structural checks that do not depend on the backend (list lengths, size and dtype
+mismatches, rank ranges) are done once in pynccl.comm.distributed before a backend is called;
+a backend checks what only it knows (devices, dtypes it supports).
+Every op returns None when async_op=False, else a Work.
+"""
+from __future__ import annotations
+
+import abc
+from typing import List, Optional, Sequence
+
+import torch
+
+
+class Work(abc.ABC):
+    """Handle of an op started with async_op=True.
+
+    wait(): the caller's current stream (CUDA) waits for the op; on CPU, the host waits,
+    bounded by the group's timeout. is_completed(): non-blocking query.
+    """
+
+    @abc.abstractmethod
+    def wait(self, timeout: Optional[float] = None) -> bool: ...
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool: ...
+
+
+class P2POp:
+    """One send or recv of a batch_isend_irecv call (torch.distributed.P2POp's shape).
+
+    `op` is pynccl.isend or pynccl.irecv (or the strings "isend"/"irecv"); `peer` is a
+    global rank, translated to a group rank by pynccl.comm.distributed.
+    """
+
+    __slots__ = ("op", "tensor", "peer", "group", "is_send")
+
+    def __init__(self, op, tensor: torch.Tensor, peer: int, group=None, tag: int = 0):
+        name = op if isinstance(op, str) else getattr(op, "__name__", "")
+        if name not in ("isend", "irecv", "send", "recv"):
+            raise ValueError(f"P2POp: op must be pynccl.isend or pynccl.irecv, got {op!r}")
+        self.op = op
+        self.is_send = name in ("isend", "send")
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+
+
+class Backend(abc.ABC):
+    """One communicator over `world_size` ranks; this process is `rank` in it."""
+
+    name: str                 # "nccl" or "gloo"
+    rank: int                 # group-local rank of this process
+    world_size: int
+    device: torch.device      # where this backend's tensors must live
+    timeout_s: float          # bound on every blocking wait of this group (settable)
+
+    # --- collectives -------------------------------------------------------------
+    # `output` (keyword, last): None reduces/broadcasts `tensor` in place. A tensor of the same
+    # device, dtype and number of elements (contiguous) makes the op out-of-place: `tensor` is
+    # only read, `output` receives the result (one NCCL call on nccl; copy + in-place on gloo).
+    # reduce writes `output` on the root only; broadcast reads the root's `tensor` and writes
+    # every rank's `output`. Bad `output`: TypeError (not a tensor, dtype) / ValueError (rest).
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op, async_op: bool = False, output: torch.Tensor = None): ...
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int, async_op: bool = False, output: torch.Tensor = None): ...
+    @abc.abstractmethod
+    def reduce(self, tensor: torch.Tensor, root: int, op, async_op: bool = False, output: torch.Tensor = None): ...
+    @abc.abstractmethod
+    def all_gather(self, output_list: List[torch.Tensor], input: torch.Tensor, async_op: bool = False): ...
+    @abc.abstractmethod
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False): ...
+    @abc.abstractmethod
+    def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], op, async_op: bool = False): ...
+    @abc.abstractmethod
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op, async_op: bool = False): ...
+    @abc.abstractmethod
+    def all_to_all(self, output_list: List[torch.Tensor], input_list: List[torch.Tensor], async_op: bool = False): ...
+    @abc.abstractmethod
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Optional[Sequence[int]], input_split_sizes: Optional[Sequence[int]],
+                          async_op: bool = False): ...
+    @abc.abstractmethod
+    def gather(self, input: torch.Tensor, gather_list: Optional[List[torch.Tensor]], root: int, async_op: bool = False): ...
+    @abc.abstractmethod
+    def scatter(self, output: torch.Tensor, scatter_list: Optional[List[torch.Tensor]], root: int, async_op: bool = False): ...
+    @abc.abstractmethod
+    def send(self, tensor: torch.Tensor, peer: int, async_op: bool = False): ...
+    @abc.abstractmethod
+    def recv(self, tensor: torch.Tensor, peer: int, async_op: bool = False): ...
+    @abc.abstractmethod
+    def batch_isend_irecv(self, ops: List[tuple]):
+        """ops: list of (is_send: bool, tensor, group-local peer). One NCCL group. Returns a Work."""
+    @abc.abstractmethod
+    def barrier(self): ...
+
+    # --- fused bucket kernels (DDP/ZeRO) ------------------------------------------
+    @abc.abstractmethod
+    def pack(self, tensors: List[torch.Tensor], flat: torch.Tensor, scale: float = 1.0): ...
+    @abc.abstractmethod
+    def unpack(self, flat: torch.Tensor, tensors: List[torch.Tensor], scale: float = 1.0): ...
+
+    # --- life cycle ----------------------------------------------------------------
+    @abc.abstractmethod
+    def split(self, ranks: List[int], timeout: float, name: str = ""):
+        """Collective over this backend's ranks: returns the backend of the sub-group made of
+        group-local `ranks` (sorted) named `name`, or None on ranks not in it."""
+    @abc.abstractmethod
+    def destroy(self): ...
+    @abc.abstractmethod
+    def abort(self): ...

@@ -1,0 +1,355 @@
+"""The "gloo" backend: torch.distributed's gloo process group on CPU tensors.
+
+It exists so that every feature runs, and is tested, on machines with no GPU. Where gloo
+lacks an op or a reduction (AVG, PREMUL_SUM, reduce_scatter), it is composed from ops
+gloo has; gloo's own errors are turned into pynccl's (a time-out into CommTimeoutError).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+from typing import List, Optional
+
+import torch
+import torch.distributed as tdist
+
+from ...errors import CommTimeoutError, PyncclError
+from ..flight_recorder import FlightRecorder
+from ..reduce_op import PremulSum, ReduceOp, check_op_for_dtype
+from .base import Backend, Work
+
+_CPU = torch.device("cpu")
+_SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                     torch.int8, torch.uint8, torch.int32, torch.int64)
+_NATIVE_OPS = {ReduceOp.SUM: tdist.ReduceOp.SUM, ReduceOp.PRODUCT: tdist.ReduceOp.PRODUCT,
+               ReduceOp.MAX: tdist.ReduceOp.MAX, ReduceOp.MIN: tdist.ReduceOp.MIN,
+               ReduceOp.AVG: tdist.ReduceOp.SUM, ReduceOp.PREMUL_SUM: tdist.ReduceOp.SUM}
+
+
+class GlooWork(Work):
+    """torch Work objects plus what must run once they finish (e.g. AVG's division)."""
+
+    def __init__(self, backend: "GlooBackend", op_name: str, seq: int, works, finish=None, record=None):
+        self._backend = backend
+        self._op_name = op_name
+        self._seq = seq
+        self._record = record
+        self._works = [w for w in works if w is not None]
+        self._finish = finish
+        self._done = False
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if self._done:
+            return True
+        t = self._backend.timeout_s if timeout is None else timeout
+        with self._backend._translate_errors(self._op_name, self._seq, self._record):
+            for w in self._works:
+                w.wait(datetime.timedelta(seconds=t))
+        if self._finish is not None:
+            self._finish()
+        if self._record is not None:
+            self._record["state"] = "completed"
+        self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def synchronize(self, timeout_s: Optional[float] = None) -> bool:
+        """Host wait bounded by timeout_s (the group's by default), as the NCCL Work's."""
+        return self.wait(timeout_s)
+
+
+class GlooBackend(Backend):
+    name = "gloo"
+
+    def __init__(self, pg, rank: int, world_size: int, timeout_s: float, group_name: str):
+        self.pg = pg
+        self.rank = rank
+        self.world_size = world_size
+        self.device = _CPU
+        self.timeout_s = timeout_s
+        self.group_name = group_name
+        self.seq = 0
+        self._destroyed = False
+        self.recorder = FlightRecorder()
+
+    @classmethod
+    def from_default_group(cls, timeout_s: float) -> "GlooBackend":
+        pg = tdist.group.WORLD
+        if tdist.get_backend(pg) != "gloo":
+            pg = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(pg, tdist.get_rank(), tdist.get_world_size(), timeout_s, "world")
+
+    # ------------------------------------------------------------------ helpers
+    @contextlib.contextmanager
+    def _translate_errors(self, op_name: str, seq: int, record=None):
+        try:
+            yield
+        except (ValueError, TypeError):
+            raise
+        except RuntimeError as e:
+            msg = str(e)
+            where = f"{op_name} (seq {seq}) on group '{self.group_name}' (rank {self.rank} of {self.world_size})"
+            timed_out = "timed out" in msg.lower() or "timeout" in msg.lower()
+            if record is not None:
+                record["state"] = "timed_out" if timed_out else "failed"
+            path = self.recorder.dump(self.group_name, self.rank, self.world_size, self.seq, f"{where}: {msg}")
+            if timed_out:
+                raise CommTimeoutError(f"{where} timed out after {self.timeout_s:.1f}s "
+                                       f"(flight record: {path}): {msg}") from e
+            raise PyncclError(f"{where} failed (flight record: {path}): {msg}") from e
+
+    def flight_record(self):
+        return self.recorder.entries()
+
+    def _check(self, fn: str, *tensors: torch.Tensor):
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise ValueError(f"{fn}: expected a CPU tensor for the gloo backend, got a tensor on {t.device}")
+            if t.dtype not in _SUPPORTED_DTYPES:
+                raise TypeError(f"{fn}: dtype {t.dtype} is not supported by the gloo backend "
+                                f"(supported: {', '.join(str(d) for d in _SUPPORTED_DTYPES)})")
+            if not t.is_contiguous():
+                raise ValueError(f"{fn}: expected a contiguous tensor, got one with strides {t.stride()}; "
+                                 f"call .contiguous() first")
+
+    def _check_rank(self, fn: str, what: str, r: int):
+        if not 0 <= r < self.world_size:
+            raise ValueError(f"{fn}: {what}={r} out of range [0, world_size={self.world_size})")
+
+    def _run(self, op_name: str, async_op: bool, start, finish=None, tensor=None, peer: int = -1):
+        """Run `start()` (returns torch works), then `finish()` once they complete."""
+        if self._destroyed:
+            raise RuntimeError(f"{op_name}: group '{self.group_name}' was destroyed")
+        self.seq += 1
+        seq = self.seq
+        record = self.recorder.record(op_name, seq, str(tensor.dtype) if tensor is not None else None,
+                                      tensor.numel() if tensor is not None else 0, peer)
+        with self._translate_errors(op_name, seq, record):
+            works = start()
+        if not isinstance(works, (list, tuple)):
+            works = [works]
+        work = GlooWork(self, op_name, seq, works, finish, record)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _prepare_reduce(self, fn: str, tensor: torch.Tensor, op):
+        """(torch op, pre-scale or None, post-divisor or None) for `op` on `tensor`."""
+        op_enum = check_op_for_dtype(fn, op, tensor.dtype)
+        pre = op.factor if isinstance(op, PremulSum) else None
+        if op_enum == ReduceOp.PREMUL_SUM and pre is None:
+            raise ValueError(f"{fn}: use ReduceOp.premul_sum(factor) to give PREMUL_SUM its factor")
+        post = self.world_size if op_enum == ReduceOp.AVG else None
+        return _NATIVE_OPS[op_enum], pre, post
+
+    # ------------------------------------------------------------------ collectives
+    def _check_output(self, fn: str, tensor: torch.Tensor, output) -> torch.Tensor:
+        """`output=` of the out-of-place ops: a tensor like `tensor` (base.Backend.all_reduce)."""
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{fn}: output must be a torch.Tensor or None, got {type(output).__name__}")
+        self._check(fn, output)
+        if output.dtype != tensor.dtype:
+            raise TypeError(f"{fn}: output has dtype {output.dtype}, expected {tensor.dtype} (the dtype of tensor)")
+        if output.numel() != tensor.numel():
+            raise ValueError(f"{fn}: output has {output.numel()} elements, expected {tensor.numel()} "
+                             f"(the size of tensor)")
+        return output
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False, output=None):
+        self._check("all_reduce", tensor)
+        top, pre, post = self._prepare_reduce("all_reduce", tensor, op)
+        if output is not None:
+            # NOTE: gloo has no out-of-place call: copy, then reduce the copy in place.
+            self._check_output("all_reduce", tensor, output).view(tensor.shape).copy_(tensor)
+            tensor = output
+        if pre is not None:
+            tensor.mul_(pre)
+        finish = (lambda: tensor.div_(post)) if post else None
+        return self._run("all_reduce", async_op,
+                         lambda: tdist.all_reduce(tensor, op=top, group=self.pg, async_op=True), finish, tensor)
+
+    def broadcast(self, tensor, root, async_op=False, output=None):
+        self._check("broadcast", tensor)
+        self._check_rank("broadcast", "src", root)
+        if output is not None:
+            self._check_output("broadcast", tensor, output)
+            if self.rank == root:
+                output.view(tensor.shape).copy_(tensor)
+            tensor = output
+        return self._run("broadcast", async_op,
+                         lambda: tdist.broadcast(tensor, group=self.pg, group_src=root, async_op=True),
+                         tensor=tensor, peer=root)
+
+    def reduce(self, tensor, root, op=ReduceOp.SUM, async_op=False, output=None):
+        self._check("reduce", tensor)
+        self._check_rank("reduce", "dst", root)
+        top, pre, post = self._prepare_reduce("reduce", tensor, op)
+        if output is not None:
+            self._check_output("reduce", tensor, output)
+            # Only the root's output is written (as NCCL's); the others reduce from a scratch copy.
+            if self.rank == root:
+                output.view(tensor.shape).copy_(tensor)
+            tensor = output if self.rank == root else tensor.clone()
+        if pre is not None:
+            tensor.mul_(pre)
+        finish = (lambda: tensor.div_(post)) if post and self.rank == root else None
+        return self._run("reduce", async_op,
+                         lambda: tdist.reduce(tensor, group=self.pg, group_dst=root, op=top, async_op=True),
+                         finish, tensor, root)
+
+    def all_gather(self, output_list, input, async_op=False):
+        self._check("all_gather", input, *output_list)
+        return self._run("all_gather", async_op,
+                         lambda: tdist.all_gather(output_list, input, group=self.pg, async_op=True), tensor=input)
+
+    def all_gather_into_tensor(self, output, input, async_op=False):
+        self._check("all_gather_into_tensor", output, input)
+        chunks = list(output.view(-1).chunk(self.world_size))
+        return self._run("all_gather_into_tensor", async_op,
+                         lambda: tdist.all_gather(chunks, input.reshape(-1), group=self.pg, async_op=True),
+                         tensor=input)
+
+    def _reduce_scatter_flat(self, fn, output, flat_input, op, async_op):
+        # gloo has no reduce_scatter: all-reduce a copy, keep this rank's chunk.
+        top, pre, post = self._prepare_reduce(fn, output, op)
+        work_buf = flat_input.clone()
+        if pre is not None:
+            work_buf.mul_(pre)
+
+        def finish():
+            mine = work_buf.view(-1).chunk(self.world_size)[self.rank]
+            output.view(-1).copy_(mine)
+            if post:
+                output.div_(post)
+
+        return self._run(fn, async_op,
+                         lambda: tdist.all_reduce(work_buf, op=top, group=self.pg, async_op=True), finish, output)
+
+    def reduce_scatter(self, output, input_list, op=ReduceOp.SUM, async_op=False):
+        self._check("reduce_scatter", output, *input_list)
+        flat = torch.cat([t.reshape(-1) for t in input_list])
+        return self._reduce_scatter_flat("reduce_scatter", output, flat, op, async_op)
+
+    def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op=False):
+        self._check("reduce_scatter_tensor", output, input)
+        return self._reduce_scatter_flat("reduce_scatter_tensor", output, input.reshape(-1), op, async_op)
+
+    def _exchange(self, fn, sends, recvs, async_op):
+        """sends/recvs: lists indexed by peer of flat tensors (None to skip). Grouped p2p."""
+        def start():
+            ops = []
+            for peer in range(self.world_size):
+                if peer == self.rank:
+                    continue
+                if sends[peer] is not None and sends[peer].numel():
+                    ops.append(tdist.P2POp(tdist.isend, sends[peer], group=self.pg, group_peer=peer))
+                if recvs[peer] is not None and recvs[peer].numel():
+                    ops.append(tdist.P2POp(tdist.irecv, recvs[peer], group=self.pg, group_peer=peer))
+            if sends[self.rank] is not None and recvs[self.rank] is not None:
+                recvs[self.rank].copy_(sends[self.rank])
+            return tdist.batch_isend_irecv(ops) if ops else []
+        return self._run(fn, async_op, start, tensor=sends[self.rank])
+
+    def all_to_all(self, output_list, input_list, async_op=False):
+        self._check("all_to_all", *output_list, *input_list)
+        return self._exchange("all_to_all", [t.reshape(-1) for t in input_list],
+                              [t.view(-1) for t in output_list], async_op)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, async_op=False):
+        self._check("all_to_all_single", output, input)
+        n = self.world_size
+        in_rows = input_split_sizes or [input.shape[0] // n] * n
+        out_rows = output_split_sizes or [output.shape[0] // n] * n
+        return self._exchange("all_to_all_single", list(input.split(in_rows)), list(output.split(out_rows)), async_op)
+
+    def gather(self, input, gather_list, root, async_op=False):
+        self._check("gather", input, *(gather_list or []))
+        self._check_rank("gather", "dst", root)
+        return self._run("gather", async_op,
+                         lambda: tdist.gather(input, gather_list if self.rank == root else None,
+                                              group=self.pg, group_dst=root, async_op=True),
+                         tensor=input, peer=root)
+
+    def scatter(self, output, scatter_list, root, async_op=False):
+        self._check("scatter", output, *(scatter_list or []))
+        self._check_rank("scatter", "src", root)
+        return self._run("scatter", async_op,
+                         lambda: tdist.scatter(output, scatter_list if self.rank == root else None,
+                                               group=self.pg, group_src=root, async_op=True),
+                         tensor=output, peer=root)
+
+    def send(self, tensor, peer, async_op=False):
+        self._check("send", tensor)
+        self._check_rank("send", "dst", peer)
+        if peer == self.rank:
+            raise ValueError(f"send: dst={peer} is this rank; gloo cannot send to itself")
+        return self._run("send", async_op, lambda: tdist.isend(tensor, group=self.pg, group_dst=peer),
+                         tensor=tensor, peer=peer)
+
+    def recv(self, tensor, peer, async_op=False):
+        self._check("recv", tensor)
+        self._check_rank("recv", "src", peer)
+        if peer == self.rank:
+            raise ValueError(f"recv: src={peer} is this rank; gloo cannot receive from itself")
+        return self._run("recv", async_op, lambda: tdist.irecv(tensor, group=self.pg, group_src=peer),
+                         tensor=tensor, peer=peer)
+
+    def batch_isend_irecv(self, ops):
+        for is_send, t, peer in ops:
+            self._check("batch_isend_irecv", t)
+            self._check_rank("batch_isend_irecv", "peer", peer)
+            if peer == self.rank:
+                raise ValueError(f"batch_isend_irecv: peer {peer} is this rank; gloo cannot send to itself")
+
+        def start():
+            return tdist.batch_isend_irecv([
+                tdist.P2POp(tdist.isend if is_send else tdist.irecv, t, group=self.pg, group_peer=peer)
+                for is_send, t, peer in ops])
+        return self._run("batch_isend_irecv", True, start)
+
+    def barrier(self):
+        self._run("barrier", False, lambda: tdist.barrier(group=self.pg, async_op=True))
+
+    # ------------------------------------------------------------------ bucket kernels
+    def pack(self, tensors: List[torch.Tensor], flat: torch.Tensor, scale: float = 1.0):
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            dst, src = flat[offset: offset + n], t.reshape(-1)
+            if scale == 1.0:
+                dst.copy_(src)
+            elif t.dtype == flat.dtype:
+                torch.mul(src, scale, out=dst)
+            else:
+                dst.copy_(src * scale)  # scale, then cast: one rounding into flat's dtype
+            offset += n
+
+    def unpack(self, flat: torch.Tensor, tensors: List[torch.Tensor], scale: float = 1.0):
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            src = flat[offset: offset + n].view(t.shape)
+            t.copy_(src * scale if scale != 1.0 else src)
+            offset += n
+
+    # ------------------------------------------------------------------ life cycle
+    def split(self, ranks, timeout_s, name=""):
+        global_ranks = [tdist.get_global_rank(self.pg, r) if self.pg is not tdist.group.WORLD else r for r in ranks]
+        pg = tdist.new_group(global_ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        if self.rank not in ranks:
+            return None
+        return GlooBackend(pg, ranks.index(self.rank), len(ranks), timeout_s, name or f"split{len(ranks)}")
+
+    def destroy(self):
+        self._destroyed = True
+        if self.pg is not tdist.group.WORLD and tdist.is_initialized():
+            try:
+                tdist.destroy_process_group(self.pg)
+            except (ValueError, RuntimeError):
+                pass
+
+    def abort(self):
+        self.destroy()

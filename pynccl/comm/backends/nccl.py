@@ -1,0 +1,168 @@
+"""The "nccl" backend: one pynccl._C.Communicator on CUDA tensors.
+
+The hot path is the C++ method itself: __init__ binds each Communicator method whose signature
+matches base.Backend as an instance attribute, so `backend.all_reduce(t, op, async_op)` goes
+straight from Python into C++ (op is a ReduceOp int or a PremulSum; C++ reads both).
+all_reduce/reduce/broadcast also take output= (last keyword): one out-of-place NCCL call. On the
+class the same names are generated forwarders with base.Backend's signatures: they satisfy the
+ABC and document the interface, and only a call through the class (NcclBackend.op(b, ...)) runs one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import inspect
+import os
+from typing import List, Optional, Union
+
+import torch
+
+from pynccl import _ext
+from pynccl.comm.backends.base import Backend
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclOptions:
+    """ncclConfig_t fields a user may set (-1: NCCL's default)."""
+
+    # NOTE: blocking by default. A non-blocking communicator bounds init/split/finalize by the
+    # timeout, but every collective then returns ncclInProgress and is polled to completion:
+    # measured on 4 H200s, 150-200 us of host time per enqueue against torch's ~50 (RESULTS.md).
+    # The store rendezvous has already seen every rank arrive before NCCL init, and the watchdog
+    # still aborts a hung op; PYNCCL_NCCL_NONBLOCKING=1 picks the fully bounded mode.
+    blocking: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("PYNCCL_NCCL_NONBLOCKING", "0") != "1")
+    name: str = ""                # shows in errors, the flight record file and NCCL's logs
+    cga_cluster_size: int = -1
+    min_ctas: int = -1
+    max_ctas: int = -1
+
+
+def get_unique_id() -> bytes:
+    """A fresh 128-byte ncclUniqueId; rank 0 makes it and shares it through the store."""
+    return _ext.require_extension('the "nccl" backend').get_unique_id()
+
+
+def _device_index(device: Union[int, str, torch.device]) -> int:
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f'the "nccl" backend needs a CUDA device, got {device}')
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+# base.Backend ops that pynccl._C.Communicator implements with the same signature, and the bucket
+# kernels, which are module functions of _C.
+_COMM_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+             "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "send", "recv",
+             "batch_isend_irecv", "barrier")
+_KERNELS = ("pack", "unpack")
+
+
+def _forwarder(name: str):
+    """NcclBackend.<name> on the class: calls the C++ op, with base.Backend's signature."""
+    if name in _KERNELS:
+        def op(self, *args, **kwargs):
+            return getattr(_ext._C, name)(*args, **kwargs)
+    else:
+        def op(self, *args, **kwargs):
+            return getattr(self.comm, name)(*args, **kwargs)
+    interface = getattr(Backend, name)
+    op.__name__ = name
+    op.__qualname__ = f"NcclBackend.{name}"
+    op.__doc__ = interface.__doc__
+    op.__signature__ = inspect.signature(interface)
+    return op
+
+
+# NOTE: a base class, not methods added after NcclBackend is built: ABCMeta decides which methods
+# are still abstract when the class is created.
+_CppOps = type("_CppOps", (), {name: _forwarder(name) for name in _COMM_OPS + _KERNELS})
+
+
+def _seconds(timeout: Union[float, datetime.timedelta]) -> float:
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+
+
+class NcclBackend(_CppOps, Backend):
+    """base.Backend over pynccl._C.Communicator; `comm` is the C++ object for everything else
+    (flight_record(), track_sync_ops, get_async_error(), ...)."""
+
+    name = "nccl"
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self.device = torch.device("cuda", comm.device)
+        # NOTE: hot path. Each op is the bound C++ method, set on the instance so that it shadows
+        # the class's forwarder: no Python frame per call.
+        for name in _COMM_OPS:
+            setattr(self, name, getattr(comm, name))
+        for name in _KERNELS:
+            setattr(self, name, getattr(_ext._C, name))
+
+    @classmethod
+    def create(cls, unique_id: bytes, world_size: int, rank: int, device: Union[int, str, torch.device],
+               timeout: Union[float, datetime.timedelta] = 600.0,
+               options: Optional[Union[NcclOptions, dict]] = None, **option_fields) -> "NcclBackend":
+        """Collective over `world_size` processes: ncclCommInitRankConfig, bounded by `timeout`.
+        `options` (or NcclOptions fields as keywords, e.g. name="world") configure the communicator."""
+        c = _ext.require_extension('the "nccl" backend')
+        if options is None:
+            options = NcclOptions()
+        elif isinstance(options, dict):
+            options = NcclOptions(**options)
+        if option_fields:
+            options = dataclasses.replace(options, **option_fields)  # TypeError for an unknown field
+        comm = c.Communicator(bytes(unique_id), int(world_size), int(rank), _device_index(device),
+                              timeout_s=_seconds(timeout), blocking=options.blocking, name=options.name,
+                              cga_cluster_size=options.cga_cluster_size, min_ctas=options.min_ctas,
+                              max_ctas=options.max_ctas)
+        return cls(comm)
+
+    def __repr__(self):
+        return f"NcclBackend({self.comm!r})"
+
+    # --- timeouts and diagnostics ------------------------------------------------------
+    @property
+    def timeout_s(self) -> float:
+        return self.comm.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, seconds: Union[float, datetime.timedelta]):
+        self.comm.timeout_s = _seconds(seconds)
+
+    def flight_record(self) -> List[dict]:
+        return self.comm.flight_record()
+
+    def check(self):
+        """Raise the communicator's stored or asynchronous error, if any."""
+        self.comm.check()
+
+    def is_aborted(self) -> bool:
+        return self.comm.is_aborted()
+
+    # --- life cycle ------------------------------------------------------------------------
+    def split(self, ranks: List[int], timeout, name: str = "") -> Optional["NcclBackend"]:
+        """Collective over this communicator (ncclCommSplit): every rank calls it with the same
+        `ranks`; the ranks not in it get None. `name` names the new communicator (default:
+        "<parent>.split0")."""
+        ranks = sorted(int(r) for r in ranks)
+        for r in ranks:
+            if not 0 <= r < self.world_size:
+                raise ValueError(f"split: rank {r} is out of range for a group of world_size {self.world_size}")
+        color, key = (0, ranks.index(self.rank)) if self.rank in ranks else (-1, 0)
+        child = self.comm.split(color, key, _seconds(timeout), name)
+        return None if child is None else NcclBackend(child)
+
+    def destroy(self):
+        """Collective: ncclCommFinalize then ncclCommDestroy. Bounded by the timeout on
+        non-blocking communicators (PYNCCL_NCCL_NONBLOCKING=1); a blocking one (the default) waits
+        inside NCCL until every rank finalizes and no CUDA graph still holds its operations."""
+        self.comm.destroy()
+
+    def abort(self):
+        """Local: ncclCommAbort; later ops raise PyncclError."""
+        self.comm.abort()

@@ -1,0 +1,300 @@
+"""Process groups and their life cycle: the default group, init (rendezvous + backend),
+new_group, destroy/abort, and the small state every collective reads (collectives.py).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import rendezvous
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class _Unusable:
+    """Stands in for a group's backend where no op may run; every use raises `error`."""
+
+    __slots__ = ("_error",)
+
+    def __init__(self, error: Exception):
+        self._error = error
+
+    def __getattr__(self, name):
+        raise self._error
+
+
+class ProcessGroup:
+    """A set of global ranks and the Backend that talks to them.
+
+    `rank` / `world_size` are this process's position in the group (like
+    torch.distributed.get_rank(group)); `ranks` are the global ranks, in group order.
+    """
+
+    def __init__(self, backend, ranks: Sequence[int], name: str, timeout_s: float, backend_name: str):
+        self.backend = backend
+        self.ranks = list(ranks)
+        self.name = name
+        self.timeout_s = timeout_s
+        self.backend_name = backend_name
+        self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
+        self.rank = -1 if isinstance(backend, _Unusable) else backend.rank
+        self.world_size = len(self.ranks)
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank >= 0
+
+    def size(self) -> int:
+        return self.world_size
+
+    def group_rank(self, global_rank: int, what: str = "rank") -> int:
+        """Group rank of `global_rank`; ValueError naming the group if it is not in it."""
+        if not isinstance(global_rank, int) or isinstance(global_rank, bool):
+            raise TypeError(f"{what} must be an int (a global rank), got {type(global_rank).__name__}")
+        idx = self._group_rank_of.get(global_rank)
+        if idx is None:
+            raise ValueError(f"{what}={global_rank} is not a rank of group '{self.name}' "
+                             f"(global ranks {self.ranks})")
+        return idx
+
+    def __repr__(self):
+        return f"ProcessGroup(name={self.name!r}, backend={self.backend_name!r}, ranks={self.ranks}, rank={self.rank})"
+
+
+class _State:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.world = ProcessGroup(
+            _Unusable(RuntimeError("pynccl: the default process group is not initialized; "
+                                   "call pynccl.init_process_group(backend='nccl'|'gloo') first")),
+            [], "<uninitialized>", DEFAULT_TIMEOUT_S, "none")
+        self.initialized = False
+        self.groups: List[ProcessGroup] = []
+        self.store = None
+        self.owns_torch_dist = False
+        self.num_groups_created = 0
+        self.check_collectives = False
+        self.key_prefix = "pynccl/0"   # store keys of this init: "pynccl/<generation>"
+
+
+_state = _State()
+
+
+# ----------------------------------------------------------------------------- init/groups
+def _timeout_seconds(timeout) -> float:
+    if timeout is None:
+        return DEFAULT_TIMEOUT_S
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    return float(timeout)
+
+
+def _make_backend(backend: str, rank: int, world_size: int, timeout_s: float, device_id, store, prefix: str):
+    if backend == "gloo":
+        from .backends.gloo import GlooBackend
+        return GlooBackend.from_default_group(timeout_s)
+    from .backends.nccl import NcclBackend
+    device = rendezvous.resolve_cuda_device(device_id)
+    unique_id = rendezvous.exchange_unique_id(store, prefix, rank, timeout_s)
+    return NcclBackend.create(unique_id, world_size, rank, device, timeout_s, name="world")
+
+
+def init_process_group(backend: str = "nccl", init_method: Optional[str] = "env://", world_size: int = -1,
+                       rank: int = -1, timeout=None, device_id=None, store=None,
+                       check_collectives: Optional[bool] = None) -> None:
+    """Create the default group over all ranks.
+
+    Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
+    unless rank/world_size/store are given. If torch.distributed is already initialised,
+    its rank, world size and store are reused, so scripts that set it up keep working.
+    A gloo torch.distributed default group is always present afterwards (it carries the
+    CPU-side helpers such as DistributedSampler and object collectives).
+    check_collectives (default: PYNCCL_CHECK_COLLECTIVES=1): compare every collective's
+    signature across ranks through the store first (see collective_check.py).
+    """
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"init_process_group: backend must be 'nccl' or 'gloo', got {backend!r}")
+    if _state.initialized:
+        raise RuntimeError("init_process_group: the default process group is already initialized; "
+                           "call pynccl.destroy_process_group() first")
+    timeout_s = _timeout_seconds(timeout)
+    if backend == "nccl":
+        from .._ext import require_extension
+        require_extension("backend='nccl'")
+    rank, world_size, store, owns = rendezvous.bootstrap(init_method, rank, world_size, timeout_s, store)
+    prefix = f"pynccl/{rendezvous.next_generation()}"
+    be = _make_backend(backend, rank, world_size, timeout_s, device_id, store, prefix)
+    _state.key_prefix = prefix
+    _state.store = store
+    if check_collectives is None:
+        check_collectives = os.environ.get("PYNCCL_CHECK_COLLECTIVES", "0") == "1"
+    _state.check_collectives = check_collectives
+    _state.world = ProcessGroup(_maybe_checked(be, "world"), range(world_size), "world", timeout_s, backend)
+    _state.owns_torch_dist = owns
+    _state.initialized = True
+    _state.groups = [_state.world]
+
+
+def _maybe_checked(backend, name: str):
+    if not _state.check_collectives:
+        return backend
+    from .collective_check import CheckedBackend
+    return CheckedBackend(backend, _state.store, name, _state.key_prefix)
+
+
+def flight_record(group=None) -> List[dict]:
+    """The group's last collectives (oldest first): op, seq, dtype, count, peer, state,
+    enqueue_time_us. Also written as JSON when an op of the group fails or times out."""
+    return resolve_group(group).backend.flight_record()
+
+
+def is_initialized() -> bool:
+    return _state.initialized
+
+
+def resolve_group(group) -> ProcessGroup:
+    """The ProcessGroup `group` stands for: the default group for None. TypeError for anything but
+    a pynccl ProcessGroup. Also for the layers above that keep a group (DDP's reducer, PipelineStage)."""
+    if group is None:
+        return _state.world
+    if type(group) is not ProcessGroup:
+        raise TypeError(f"group must be a pynccl ProcessGroup (from pynccl.new_group) or None, "
+                        f"got {type(group).__name__}")
+    return group
+
+
+def _require_usable(g: ProcessGroup) -> ProcessGroup:
+    """Raise the group's own error (not initialized / destroyed / not a member) if it has one."""
+    if isinstance(g.backend, _Unusable):
+        raise g.backend._error
+    return g
+
+
+def get_default_group() -> ProcessGroup:
+    return _require_usable(_state.world)
+
+
+def get_store():
+    """The rendezvous TCPStore (for side-channel checks); raises before init."""
+    _require_usable(_state.world)
+    return _state.store
+
+
+def get_rank(group=None) -> int:
+    g = resolve_group(group)
+    return _require_usable(g).rank if g is _state.world else g.rank
+
+
+def get_world_size(group=None) -> int:
+    g = resolve_group(group)
+    return _require_usable(g).world_size if g is _state.world else g.world_size
+
+
+def get_backend(group=None) -> str:
+    return _require_usable(resolve_group(group)).backend_name
+
+
+def get_device(group=None) -> torch.device:
+    """The device this group's tensors must live on (cuda:N for nccl, cpu for gloo)."""
+    return resolve_group(group).backend.device
+
+
+def get_process_group_ranks(group=None) -> List[int]:
+    return list(resolve_group(group).ranks)
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Optional[str] = None) -> ProcessGroup:
+    """A group over the given global ranks. Collective over the default group: every rank
+    calls it with the same `ranks`, members and non-members alike (as in torch).
+    On a rank outside `ranks`, the returned group raises on use."""
+    world = get_default_group()
+    if backend is not None and backend != world.backend_name:
+        raise ValueError(f"new_group: backend {backend!r} differs from the default group's "
+                         f"{world.backend_name!r}; pynccl groups share the default group's backend")
+    if ranks is None:
+        ranks = list(range(world.world_size))
+    ranks = list(ranks)
+    if not ranks:
+        raise ValueError("new_group: ranks must not be empty")
+    for r in ranks:
+        if not isinstance(r, int) or isinstance(r, bool):
+            raise TypeError(f"new_group: ranks must be ints (global ranks), got {r!r}")
+        if not 0 <= r < world.world_size:
+            raise ValueError(f"new_group: rank {r!r} out of range [0, {world.world_size})")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"new_group: ranks contain duplicates: {ranks}")
+    ranks = sorted(ranks)
+    timeout_s = _timeout_seconds(timeout) if timeout is not None else world.timeout_s
+    _state.num_groups_created += 1
+    name = f"group{_state.num_groups_created}"
+    sub = world.backend.split(ranks, timeout_s, name)
+    if sub is None:
+        me = world.rank
+        sub = _Unusable(ValueError(f"rank {me} is not a member of group '{name}' (global ranks {ranks})"))
+    else:
+        sub = _maybe_checked(sub, name)
+    group = ProcessGroup(sub, ranks, name, timeout_s, world.backend_name)
+    _state.groups.append(group)
+    return group
+
+
+def destroy_process_group(group=None) -> None:
+    """Destroy `group` (collective over its members), or every group and the default group."""
+    if group is None:
+        if not _state.initialized:
+            return
+        gloo = any(g.backend_name == "gloo" for g in _state.groups)
+        for g in reversed(_state.groups):
+            _destroy_one(g)
+        if _state.owns_torch_dist:
+            rendezvous.shutdown_torch_dist()
+        _state.reset()
+        if gloo:
+            _let_gloo_workers_finish()
+        return
+    g = resolve_group(group)
+    _destroy_one(g)
+    if g in _state.groups:
+        _state.groups.remove(g)
+
+
+def _let_gloo_workers_finish() -> None:
+    """Give gloo's worker threads the GIL for a moment before the caller can exit.
+
+    NOTE: a gloo worker thread drops its reference to a finished op after the waiter has been
+    released; when that is the op's last reference it frees the op's tensors, which needs the
+    GIL. If the interpreter is already finalizing then (a script that exits right after
+    destroy_process_group), the thread cannot take the GIL and the process aborts with
+    "terminate called without an active exception" (seen about 1 run in 10 of
+    examples/train_ddp.py on gloo; the core showed ProcessGroupGloo::runLoop in ~AsyncWork ->
+    decref_pyobject -> take_gil -> pthread_exit). Sleeping releases the GIL while Python is alive."""
+    time.sleep(0.05)
+
+
+def _destroy_one(g: ProcessGroup):
+    be = g.backend
+    g.backend = _Unusable(RuntimeError(f"pynccl: process group '{g.name}' was destroyed"))
+    if not isinstance(be, _Unusable):
+        be.destroy()
+
+
+def abort_process_group(group=None) -> None:
+    """Abort (local, never blocks) `group` or every group; the groups are unusable after."""
+    targets = list(_state.groups) if group is None else [resolve_group(group)]
+    for g in targets:
+        be = g.backend
+        g.backend = _Unusable(RuntimeError(f"pynccl: process group '{g.name}' was aborted"))
+        if not isinstance(be, _Unusable):
+            be.abort()
+    if group is None and _state.initialized:
+        _state.reset()
+
+

@@ -1,0 +1,278 @@
+"""DDP's reduction of gradient buckets: pack (1/N fused) -> comm hook -> unpack, plus unused
+parameters, the one-time bucket rebuild in gradient-ready order, and the broadcasts of module
+state from rank 0. Policy only: when a bucket is ready is buckets.py's business, how bytes
+move is the Backend's (pack/unpack are one CUDA kernel on nccl, torch ops on gloo).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from . import hooks as comm_hooks
+from .buckets import DEFAULT_FIRST_BUCKET_BYTES, Bucket, GradBucketer
+from ..comm.groups import resolve_group
+from ..comm.reduce_op import ReduceOp
+
+def _flatten_tensors(obj, out: List[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _flatten_tensors(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _flatten_tensors(o, out)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for f in obj.__dataclass_fields__:
+            _flatten_tensors(getattr(obj, f), out)
+
+
+def params_reached(output) -> set:
+    """ids of the leaf tensors the autograd graph of `output` reaches (torch DDP's traversal)."""
+    tensors: List[torch.Tensor] = []
+    _flatten_tensors(output, tensors)
+    reached = {id(t) for t in tensors if t.requires_grad and t.grad_fn is None}
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)   # AccumulateGrad
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return reached
+
+
+class Reducer:
+    """Owns the bucketer of a DDP module and what happens to a ready bucket."""
+
+    def __init__(self, named_params, group, bucket_cap_bytes: int, find_unused: bool, grad_as_view: bool,
+                 static_graph: bool):
+        self.group = group
+        self.backend = group.backend
+        self.scale = 1.0 / group.world_size
+        self.find_unused = find_unused
+        self.grad_as_view = grad_as_view
+        self.static_graph = static_graph
+        # The first bucket is small (1 MiB) so that communication starts early; never above the cap.
+        self.bucketer = GradBucketer([p for _, p in named_params], self._on_bucket_ready, self._on_backward_end,
+                                     bucket_cap_bytes=bucket_cap_bytes,
+                                     first_bucket_cap_bytes=min(DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_bytes),
+                                     param_names={p: n for n, p in named_params})
+        self.bucketer.register_hooks()
+        self.params = self.bucketer.params
+        self.device = self.params[0].device
+        self.hook, self.hook_state = comm_hooks.allreduce_hook, group
+        self.hook_registered = False
+        self.pending: list = []
+        self.rebuilt = False
+        # static_graph: which parameters go unused, learnt in the first iteration (local, global).
+        self.static_unused = None
+        self._locally_unused: List[int] = []
+        # CUDA only (CPU has no streams): the pack runs off the stream backward runs on.
+        self.pack_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        # The communicator that runs a whole bucket in one C++ call (see _fused_comm), or None.
+        self.fused_comm = None
+        self._allow_fused = True
+        self._setup_buckets()
+
+    @property
+    def allow_fused(self) -> bool:
+        """Whether buckets may take the one-call C++ path (on by default; off runs the same
+        stream, kernel and collective through Python, for comparison)."""
+        return self._allow_fused
+
+    @allow_fused.setter
+    def allow_fused(self, enabled: bool) -> None:
+        self._allow_fused = bool(enabled)
+        self.fused_comm = self._fused_comm()
+
+    # ------------------------------------------------------------------ buckets
+    def _setup_buckets(self) -> None:
+        wire_dtype = getattr(self.hook, "wire_dtype", None)
+        last = len(self.bucketer.buckets) - 1
+        for b in self.bucketer.buckets:
+            wire = b.buffer
+            if wire_dtype is not None and wire_dtype != b.dtype:
+                wire = torch.zeros(b.numel, dtype=wire_dtype, device=b.device)
+            b.extra["wire"] = wire
+            b.extra["grad_bucket"] = comm_hooks.GradBucket(b.index, wire, b.params, b.index == last)
+        self.fused_comm = self._fused_comm()
+
+    def _fused_comm(self):
+        """The C++ communicator when a bucket's pack and hook may run as one
+        `Communicator.reduce_bucket` call: CUDA, a built-in SUM hook, over an NCCL group.
+        Otherwise (gloo, a user's hook) the hook is called from Python."""
+        if self.pack_stream is None or not self._allow_fused or self.hook not in comm_hooks.SUM_HOOKS:
+            return None
+        try:
+            backend = resolve_group(self.hook_state).backend
+        except TypeError:            # not a pynccl group: the hook itself will say so when called
+            return None
+        comm = getattr(backend, "comm", None)
+        return comm if hasattr(comm, "reduce_bucket") else None
+
+    def register_comm_hook(self, state, hook) -> None:
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        if self.hook_registered:
+            raise RuntimeError("register_comm_hook can only be called once.")
+        if self.bucketer.in_backward:
+            raise RuntimeError("register_comm_hook: cannot register a hook during a backward pass")
+        self.hook, self.hook_state, self.hook_registered = hook, state, True
+        self._setup_buckets()
+
+    def _rebuild_buckets(self) -> None:
+        """Once, after the first iteration: re-bucket in the order gradients became ready.
+        Rank 0's order is broadcast so that every rank builds the same buckets."""
+        order = torch.tensor(self.bucketer.ready_order, dtype=torch.int64, device=self.device)
+        self.backend.broadcast(order, 0)
+        self.bucketer.rebuild(order.tolist())
+        self._setup_buckets()
+        if self.grad_as_view:
+            for b in self.bucketer.buckets:
+                for p, v in zip(b.params, b.views()):
+                    if p.grad is not None:
+                        v.copy_(p.grad)
+                        p.grad = v
+        self.rebuilt = True
+
+    # ------------------------------------------------------------------ iteration
+    def prepare_for_forward(self) -> None:
+        self.bucketer.check_prior_backward_finished()
+        may_rebuild = self.static_graph or not self.find_unused
+        if may_rebuild and not self.rebuilt and self.bucketer.ready_order:
+            self._rebuild_buckets()
+
+    def prepare_for_backward(self, output) -> None:
+        if self.static_unused is not None:
+            unused = [self.params[i] for i in self.static_unused[0]]
+        elif self.find_unused or self.static_graph:
+            reached = params_reached(output)
+            unused = [p for p in self.params if id(p) not in reached]
+        else:
+            unused = []
+        self._locally_unused = []
+        if unused:
+            unused_ids = {id(p) for p in unused}
+            self._locally_unused = [i for i, p in enumerate(self.params) if id(p) in unused_ids]
+        self.bucketer.prepare_for_backward(unused)
+
+    # ------------------------------------------------------------------ reduction
+    def _sources(self, b: Bucket) -> List[torch.Tensor]:
+        """What to pack, on the stream that produced the gradients (NOTE: any tensor made or
+        dropped here belongs to that stream, so no other stream frees memory under it).
+        gradient_as_bucket_view: a gradient that already is its bucket view is packed as itself
+        (_reduce then skips the copy); a fresh one (grads were set to None) becomes the view here
+        and the pack moves it in, so one fused launch on the side stream replaces a copy per
+        parameter on the compute stream."""
+        if not self.grad_as_view:
+            return [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        sources = []
+        for p, v in zip(b.params, b.views()):
+            g = p.grad
+            if g is None:
+                v.zero_()
+                sources.append(v)
+            elif g.data_ptr() != v.data_ptr():
+                sources.append(g)            # kept alive by self.pending until the streams join
+                p.grad = v
+            else:
+                sources.append(v)
+        return sources
+
+    def _reduce(self, b: Bucket, sources: List[torch.Tensor]):
+        wire = b.extra["wire"]
+        if wire is b.buffer and all(s is v for s, v in zip(sources, b.views())):
+            # The gradients already are the buffer: no copy; and no kernel at all when the
+            # scale is 1 (world size 1), which is the identity.
+            if self.scale != 1.0:
+                wire.mul_(self.scale)
+        else:
+            self.backend.pack(sources, wire, self.scale)
+        return self.hook(self.hook_state, b.extra["grad_bucket"])
+
+    @torch.no_grad()
+    def _on_bucket_ready(self, b: Bucket) -> None:
+        """Starts the bucket's reduction; the gradients are written back at the end of backward.
+        NOTE: on CUDA the write-back (unpack) runs then, on the compute stream, not on a side
+        stream as each reduction ends: measured on one H200 (benchmarks/RESULTS.md), unpacks
+        overlapping backward cost more than the same copies after it."""
+        sources = self._sources(b)
+        if self.fused_comm is not None:
+            # pack on the side stream, then the all-reduce: one C++ call (bucket_reduce.cpp)
+            wire = b.extra["wire"]
+            work = self.fused_comm.reduce_bucket(sources, wire, self.scale, self.pack_stream.cuda_stream)
+            handle = comm_hooks._Pending(work, wire)
+        elif self.pack_stream is not None:
+            # The same through Python: pack on the side stream, the hook's collective after it.
+            self.pack_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.pack_stream):
+                handle = self._reduce(b, sources)
+        else:
+            handle = self._reduce(b, sources)
+        self.pending.append((b, handle, sources))        # sources: alive until the streams join
+
+    def _globally_unused(self) -> set:
+        """Indices of parameters no rank used since the last reduction (their grads stay as they
+        are, as in torch). One small all-reduce of a used-map; host sync only where needed."""
+        if self.static_unused is not None:
+            return self.static_unused[1]
+        if not (self.find_unused or self.static_graph):
+            return set()
+        used = torch.tensor(self.bucketer.used, dtype=torch.int32, device=self.device)
+        self.bucketer.reset_used()
+        self.backend.all_reduce(used, ReduceOp.SUM)
+        if not self._locally_unused and not self.static_graph:
+            return set()
+        unused = {i for i, n in enumerate(used.tolist()) if n == 0}
+        if self.static_graph:
+            self.static_unused = (self._locally_unused, unused)
+        return unused
+
+    @torch.no_grad()
+    def _on_backward_end(self) -> None:
+        if self.pack_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.pack_stream)
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        unused = self._globally_unused()
+        for b, handle, _ in pending:
+            self._ensure_grads(b, unused)
+            self._write_back(b, handle.wait(), unused)
+
+    def _ensure_grads(self, b: Bucket, unused: set) -> None:
+        """A parameter unused here but used elsewhere gets a gradient to receive the result."""
+        for i, p, v in zip(b.param_indices, b.params, b.views()):
+            if p.grad is None and i not in unused:
+                p.grad = v if self.grad_as_view else torch.zeros_like(p)
+
+    def _write_back(self, b: Bucket, reduced, unused: set) -> None:
+        if not isinstance(reduced, torch.Tensor) or reduced.numel() != b.numel:
+            got = reduced.numel() if isinstance(reduced, torch.Tensor) else type(reduced).__name__
+            raise RuntimeError(f"comm hook: wait() must return the reduced bucket ({b.numel} elements), "
+                               f"got {got} for bucket {b.index}")
+        if unused and any(i in unused for i in b.param_indices):
+            self._write_back_skipping(b, reduced, unused)
+        elif self.grad_as_view:
+            if reduced is not b.buffer:
+                self.backend.unpack(reduced, b.views(), 1.0)
+        else:
+            self.backend.unpack(reduced, [p.grad for p in b.params], 1.0)
+
+    def _write_back_skipping(self, b: Bucket, reduced: torch.Tensor, unused: set) -> None:
+        """Rare path (some parameter of the bucket went unused on every rank): per tensor."""
+        for i, p, offset, v in zip(b.param_indices, b.params, b.offsets, b.views()):
+            if i in unused:
+                continue
+            src = reduced[offset: offset + p.numel()].view(p.shape)
+            if self.grad_as_view:
+                if reduced is not b.buffer:
+                    v.copy_(src)
+            else:
+                p.grad.copy_(src)

@@ -1,0 +1,151 @@
+"""One-GPU NCCL input errors raised before NCCL is called, and the fused bucket kernels
+(pack/unpack, reduce_bucket) against torch."""
+import pytest
+import torch
+
+from pynccl.comm.reduce_op import ReduceOp
+from nccl_single_gpu_common import GPU_MARKS, C, FLOATS, make, gpu_sleep, comm  # noqa: F401 (fixtures)
+
+pytestmark = GPU_MARKS
+
+# ----------------------------------------------------------------------------- bad input
+def test_bad_inputs_raise_before_nccl(comm):
+    t = torch.ones(4, device="cuda")
+    with pytest.raises(ValueError, match=r"^all_reduce: expected a CUDA tensor on cuda:0 for the nccl backend, "
+                                         r"got a tensor on cpu"):
+        comm.all_reduce(torch.ones(4))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        comm.all_reduce(torch.ones(4, 4, device="cuda").t())
+    with pytest.raises(TypeError, match="not supported by the nccl backend"):
+        comm.all_reduce(torch.ones(4, device="cuda", dtype=torch.complex32))
+    with pytest.raises(ValueError, match=r"ReduceOp.AVG needs a floating-point tensor, got Int"):
+        comm.all_reduce(torch.ones(4, device="cuda", dtype=torch.int32), ReduceOp.AVG)
+    with pytest.raises(ValueError, match="op must be a pynccl.ReduceOp"):
+        comm.all_reduce(t, 9)
+    with pytest.raises(TypeError, match="op must be a pynccl.ReduceOp"):
+        comm.all_reduce(t, "sum")
+    with pytest.raises(TypeError, match="dtype"):
+        comm.all_gather_into_tensor(torch.empty(4, device="cuda", dtype=torch.float16), t)
+    with pytest.raises(ValueError, match=r"output has 3 elements, expected world_size\(1\) \u00d7 input\(4\) = 4"):
+        comm.all_gather_into_tensor(torch.empty(3, device="cuda"), t)
+    with pytest.raises(ValueError, match=r"root 1 is out of range for a communicator of world_size 1"):
+        comm.broadcast(t, 1)
+    with pytest.raises(ValueError, match=r"output_list has 2 tensors, expected world_size\(1\)"):
+        comm.all_gather([t, t.clone()], t)
+    with pytest.raises(ValueError, match="split_sizes sum to 3"):
+        comm.all_to_all_single(t.clone(), t, None, [3])
+    with pytest.raises(ValueError, match="is this rank"):
+        comm.send(t, 0)
+    with pytest.raises(ValueError, match="ops is empty"):
+        comm.batch_isend_irecv([])
+    assert not comm.is_aborted()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU for a tensor on another device")
+def test_tensor_on_another_device(comm):
+    with pytest.raises(ValueError, match="expected a CUDA tensor on cuda:0 for the nccl backend, got a tensor on cuda:1"):
+        comm.all_reduce(torch.ones(4, device="cuda:1"))
+
+
+# ----------------------------------------------------------------------------- bucket kernels
+def _reference(x, dtype, scale):
+    compute = torch.float64 if torch.float64 in (x.dtype, dtype) else torch.float32
+    return (x.to(compute) * scale).to(dtype) if scale != 1.0 else x.to(dtype)
+
+
+@pytest.mark.parametrize("src_dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("flat_dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
+def test_pack_unpack_match_torch(src_dtype, flat_dtype, scale):
+    torch.manual_seed(0)
+    sizes = [1, 7, 0, 4096, 33, 100_003, 5, 1024]  # odd sizes misalign later segments: scalar path too
+    tensors = [torch.randn(s, device="cuda").to(src_dtype) for s in sizes]
+    flat = torch.full((sum(sizes) + 9,), -1.0, device="cuda").to(flat_dtype)
+    C.pack(tensors, flat, scale)
+    expected = torch.cat([_reference(t, flat_dtype, scale) for t in tensors])
+    torch.cuda.synchronize()
+    assert torch.equal(flat[: expected.numel()], expected)
+    assert torch.equal(flat[expected.numel():], torch.full((9,), -1.0, device="cuda").to(flat_dtype))
+    outs = [torch.empty_like(t) for t in tensors]
+    C.unpack(flat, outs, scale)
+    offset = 0
+    torch.cuda.synchronize()
+    for t, o in zip(tensors, outs):
+        assert torch.equal(o, _reference(flat[offset: offset + t.numel()], src_dtype, scale))
+        offset += t.numel()
+
+
+def test_pack_many_tensors_and_raw_dtypes():
+    tensors = [torch.arange(i + 1, device="cuda", dtype=torch.int64) for i in range(300)]  # > 120 per launch
+    flat = torch.empty(sum(t.numel() for t in tensors), device="cuda", dtype=torch.int64)
+    C.pack(tensors, flat)
+    torch.cuda.synchronize()
+    assert torch.equal(flat, torch.cat(tensors))
+    outs = [torch.zeros_like(t) for t in tensors]
+    C.unpack(flat, outs)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(outs, tensors))
+    b = torch.tensor([True, False, True], device="cuda")
+    fb = torch.zeros(3, dtype=torch.bool, device="cuda")
+    C.pack([b], fb)
+    torch.cuda.synchronize()
+    assert torch.equal(fb, b)
+
+
+def test_pack_validation_errors():
+    flat = torch.zeros(10, device="cuda")
+    with pytest.raises(ValueError, match="tensors hold 12 elements in total, but flat has 10"):
+        C.pack([torch.ones(6, device="cuda"), torch.ones(6, device="cuda")], flat, 1.0)
+    with pytest.raises(TypeError, match=r"tensors\[1\] has dtype"):
+        C.pack([torch.ones(2, device="cuda"), torch.ones(2, device="cuda", dtype=torch.float16)], flat, 1.0)
+    with pytest.raises(ValueError, match="needs floating-point"):
+        C.pack([torch.ones(2, device="cuda", dtype=torch.int32)], torch.zeros(4, device="cuda", dtype=torch.int32), 0.5)
+    with pytest.raises(TypeError, match="cannot cast"):
+        C.pack([torch.ones(2, device="cuda", dtype=torch.int32)], flat, 1.0)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        C.unpack(flat, [torch.ones(4, 4, device="cuda").t()], 1.0)
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        C.pack([torch.ones(2)], flat, 1.0)
+
+
+def test_reduce_bucket_orders_its_streams(comm):
+    """One DDP bucket in one call: the pack (scale and cast fused) waits for gradients still being
+    made on the current stream, the all-reduce for the pack; Work.wait() orders the caller after both."""
+    pack_stream = torch.cuda.Stream(priority=-1)
+    sizes = [5, 4096, 1, 333]
+    base = [make(torch.float32, n, offset=i) for i, n in enumerate(sizes)]
+    flat = torch.full((sum(sizes),), -7.0, device="cuda", dtype=torch.bfloat16)     # a bf16 wire
+    gpu_sleep(0.2)
+    grads = [g * 2 for g in base]                 # queued behind the sleep
+    seq = comm.seq
+    work = comm.reduce_bucket(grads, flat, 0.25, pack_stream.cuda_stream)
+    assert isinstance(work, C.Work) and work.op == "reduce_bucket" and comm.seq == seq + 1
+    assert not work.is_completed()                # still behind the sleeping current stream
+    work.wait()
+    seen = flat.clone()                           # ordered after the all-reduce by wait()
+    torch.cuda.synchronize()
+    expected = torch.cat([(g * 0.5).to(torch.bfloat16) for g in base])   # world size 1: SUM is the identity
+    assert torch.equal(seen, expected) and torch.equal(flat, expected)
+
+    # Gradients that already are the buffer (bucket views): scale 1 copies nothing, else in place.
+    flat32 = torch.cat(base)
+    views = list(flat32.split(sizes))
+    comm.reduce_bucket(views, flat32, 1.0, pack_stream.cuda_stream).wait()
+    comm.reduce_bucket(views, flat32, 0.5, pack_stream.cuda_stream).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(flat32, torch.cat(base) * 0.5)
+
+
+def test_reduce_bucket_checks_before_enqueueing(comm):
+    s = torch.cuda.Stream().cuda_stream
+    flat = torch.zeros(8, device="cuda")
+    seq = comm.seq
+    with pytest.raises(TypeError, match=r"reduce_bucket: tensors\[1\] has dtype"):
+        comm.reduce_bucket([torch.ones(2, device="cuda"), torch.ones(2, device="cuda", dtype=torch.half)], flat, 1.0, s)
+    with pytest.raises(ValueError, match="reduce_bucket: tensors hold 9 elements in total, but flat has 8"):
+        comm.reduce_bucket([torch.ones(4, device="cuda"), torch.ones(5, device="cuda")], flat, 1.0, s)
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        comm.reduce_bucket([torch.ones(2)], flat, 1.0, s)
+    with pytest.raises(ValueError, match="must be a side stream"):
+        comm.reduce_bucket([torch.ones(2, device="cuda")], flat, 1.0, 0)
+    assert comm.seq == seq                        # nothing was enqueued
