@@ -55,8 +55,10 @@ def _close(actual, expected, what, tol):
     torch.testing.assert_close(actual, expected.to(actual.dtype), **tol, msg=lambda m: f"{what}: {m}")
 
 
-def check_plan(config, plan, group, what, tol=FP32_TOL, device="cpu", dtype=torch.float32):
-    """Loss, logits and every grad of the parallelized copy against the unsharded model."""
+def check_plan(config, plan, group, what, tol=FP32_TOL, device="cpu", dtype=torch.float32, close=None):
+    """Loss, logits and every grad of the parallelized copy against the unsharded model.
+    close(actual, expected, what, tol): the comparison (default: elementwise within tol)."""
+    compare = close or _close
     ref = build(config).to(device, dtype)
     par = tp.parallelize_module(copy.deepcopy(ref), group, plan)
     x = tokens(device=device)
@@ -64,16 +66,16 @@ def check_plan(config, plan, group, what, tol=FP32_TOL, device="cpu", dtype=torc
     ref_out.loss.backward()
     out = par(input_ids=x, labels=x)
     out.loss.backward()
-    _close(out.loss, ref_out.loss.detach(), f"{what}: loss", tol)
+    compare(out.loss, ref_out.loss.detach(), f"{what}: loss", tol)
     full_vocab = out.logits.shape[-1] == VOCAB
     expected_logits = ref_out.logits.detach() if full_vocab else \
         ref_out.logits.detach().chunk(group.world_size, -1)[group.rank]
-    _close(out.logits, expected_logits, f"{what}: logits", tol)
+    compare(out.logits, expected_logits, f"{what}: logits", tol)
     ref_params = dict(ref.named_parameters())
     names = [n for n, _ in par.named_parameters()]
     assert names == list(ref_params), f"{what}: parameter names changed: {names} != {list(ref_params)}"
     for name, p in par.named_parameters():
-        _close(p.grad, tp.shard_like(p, ref_params[name].grad, group), f"{what}: grad of {name}", tol)
+        compare(p.grad, tp.shard_like(p, ref_params[name].grad, group), f"{what}: grad of {name}", tol)
     return ref, par
 
 
@@ -125,21 +127,21 @@ def _error_checks(group):
         sp_model(input_ids=odd, labels=odd)
 
 
-def plan_checks(group, heads, kv_heads, device="cpu", dtype=torch.float32, tol=FP32_TOL):
+def plan_checks(group, heads, kv_heads, device="cpu", dtype=torch.float32, tol=FP32_TOL, close=None):
     """Every plan variant at this group's TP size; returns how many ran."""
     ws = group.world_size
     count = 0
     for sp in (False, True):
         for loss_parallel in (True, False):
             what = f"llama tp={ws} sp={sp} loss_parallel={loss_parallel}"
-            ref, par = check_plan(llama_config(heads, kv_heads), tp.plans.llama(sp, loss_parallel), group, what, tol,
-                                  device, dtype)
+            check_plan(llama_config(heads, kv_heads), tp.plans.llama(sp, loss_parallel), group, what, tol, device,
+                       dtype, close)
             count += 1
         what = f"gpt2 tp={ws} sp={sp}"
-        check_plan(gpt2_config(), tp.plans.gpt2(sp, loss_parallel=sp), group, what, tol, device, dtype)
+        check_plan(gpt2_config(), tp.plans.gpt2(sp, loss_parallel=sp), group, what, tol, device, dtype, close)
         count += 1
     check_plan(llama_config(heads, kv_heads, attn="eager"), tp.plans.llama(True), group, f"llama eager tp={ws}", tol,
-               device, dtype)
+               device, dtype, close)
     return count + 1
 
 
