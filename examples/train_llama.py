@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 
-import pynccl
-import pynccl.tensor_parallel as tp
-from pynccl.mesh import ParallelMesh
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402 - launch.py next to us
+
+import pynccl  # noqa: E402
+import pynccl.tensor_parallel as tp  # noqa: E402
+from pynccl.mesh import ParallelMesh  # noqa: E402
+
+from launch import run_in_process_group  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,8 +99,9 @@ def train(args: argparse.Namespace) -> dict:
     """Returns {"losses": the global mean loss of each step (the same on every rank)}."""
     world = pynccl.get_world_size()
     mesh = ParallelMesh(dp=args.dp, tp=args.tp)
+    sequence = {"seq_len": args.seq_len} if args.sequence_parallel else {}
     mesh.check_divides(batch_size=args.batch_size, num_attention_heads=args.heads,
-                       num_key_value_heads=args.kv_heads, **({"seq_len": args.seq_len} if args.sequence_parallel else {}))
+                       num_key_value_heads=args.kv_heads, **sequence)
     device = pynccl.get_default_group().backend.device
     model = build_model(args)
     model = tp.parallelize_module(model, mesh.tp_group, tp.plans.llama(args.sequence_parallel, args.loss_parallel))
@@ -133,25 +139,14 @@ def save_pretrained(wrapped, mesh: ParallelMesh, args: argparse.Namespace) -> No
     from transformers import LlamaForCausalLM
     full = tp.unsharded_state_dict(wrapped, mesh.tp_group)
     if mesh.rank == 0:
-        LlamaForCausalLM(llama_config(args)).save_pretrained(args.save, state_dict={k: v.cpu() for k, v in full.items()})
+        cpu = {name: tensor.cpu() for name, tensor in full.items()}
+        LlamaForCausalLM(llama_config(args)).save_pretrained(args.save, state_dict=cpu)
         print(f"saved {args.save}", flush=True)
     pynccl.barrier()
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    if "RANK" not in os.environ:  # plain `python train_llama.py`: a world of one
-        from pynccl.testing import find_free_port
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(find_free_port()))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    pynccl.init_process_group(backend=backend)
-    try:
-        train(args)
-    finally:
-        pynccl.destroy_process_group()
+    run_in_process_group(train, parse_args(argv))
 
 
 if __name__ == "__main__":

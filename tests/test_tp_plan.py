@@ -103,7 +103,8 @@ def _error_checks(group):
          rf"self_attn: num_attention_heads={ws + 1} is not divisible by tp={ws}"),
         (llama_config(**ok, intermediate_size=4 * ws + 1), tp.plans.llama(),
          rf"mlp.gate_proj: out_features={4 * ws + 1} is not divisible by tp={ws}"),
-        (llama_config(**ok, vocab_size=VOCAB + 1), tp.plans.llama(), rf"embed_tokens: num_embeddings={VOCAB + 1} is not divisible by tp={ws} \(pad"),
+        (llama_config(**ok, vocab_size=VOCAB + 1), tp.plans.llama(),
+         rf"embed_tokens: num_embeddings={VOCAB + 1} is not divisible by tp={ws} \(pad"),
         (gpt2_config(n_head=ws + 1, n_embd=8 * (ws + 1)), tp.plans.gpt2(),
          rf"attn: num_heads={ws + 1} is not divisible by tp={ws}"),
     ]
@@ -115,9 +116,9 @@ def _error_checks(group):
         assert {n: p.shape for n, p in model.named_parameters()} == before, f"{message}: model changed"
     with pytest.raises(ValueError, match=rf"qkv: out_features=9 is not divisible by 3 fused blocks × tp={ws}"):
         tp.parallelize_module(nn.ModuleDict({"qkv": nn.Linear(4, 9)}), group, {"qkv": tp.ColwiseParallel(num_fused=3)})
+    gathered_head = {**tp.plans.llama(loss_parallel=True), "lm_head": tp.ColwiseParallel(output_layouts=tp.Replicate())}
     with pytest.raises(ValueError, match="LM head must be ColwiseParallel"):
-        tp.parallelize_module(build(llama_config(**ok)), group, {**tp.plans.llama(loss_parallel=True),
-                                                             "lm_head": tp.ColwiseParallel(output_layouts=tp.Replicate())})
+        tp.parallelize_module(build(llama_config(**ok)), group, gathered_head)
     model = tp.parallelize_module(build(llama_config(**ok)), group, tp.plans.llama())
     with pytest.raises(ValueError, match="already tensor-parallel"):
         tp.parallelize_module(model, group, tp.plans.llama())

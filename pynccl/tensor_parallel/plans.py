@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from typing import Dict
 
-from .plan import (ColwiseParallel, LocalHeads, LossParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
-                   Replicate, RowwiseParallel, SequenceParallel, Shard)
+from .loss_parallel import LossParallel
+from .plan import ParallelStyle, Replicate, Shard
+from .styles import (ColwiseParallel, LocalHeads, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
+                     SequenceParallel)
 
 SEQ = Shard(1)  # the sequence of Hugging Face's [b, s, h]
 
