@@ -180,3 +180,11 @@ def test_plan_patterns_match_per_dotted_atom():
     assert _matches("model.layers.*.mlp", "model.layers.3.mlp")
     assert not _matches("model.layers.*.mlp", "model.layers.3.block.mlp")
     assert _matches("", "") and not _matches("", "lm_head") and not _matches("lm_head", "")
+
+
+def test_styles_take_torch_placements():
+    from torch.distributed.tensor import Replicate, Shard
+    style = tp.ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    assert (style.input_layout.dim, style.output_layout.is_replicate()) == (1, True)
+    with pytest.raises(ValueError, match="expected Shard\\(dim\\) or Replicate\\(\\), got 'seq'"):
+        tp.RowwiseParallel(output_layouts="seq")
