@@ -128,6 +128,50 @@ def _error_checks(group):
         sp_model(input_ids=odd, labels=odd)
 
 
+class _TinyLM(nn.Module):
+    """[b, s, h] embedding -> pre-norm MLP block with biases -> norm -> LM head, no Hugging Face."""
+
+    def __init__(self, hidden=16, ffn=32):
+        super().__init__()
+        self.emb, self.norm, self.norm_f = nn.Embedding(VOCAB, hidden), nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.up, self.down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+        self.head = nn.Linear(hidden, VOCAB, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.down(torch.relu(self.up(self.norm(h))))
+        return self.head(self.norm_f(h))
+
+
+def _generic_plan_checks(group):
+    """Styles DTensor-style plans use that the Hugging Face plans do not: the embedding's output
+    reduce-scattered on the sequence (torchtitan), column layers gathering their input themselves,
+    a row layer slicing a whole input, an embedding split along its features."""
+    sp_plan = {"emb": tp.RowwiseParallel(input_layouts=tp.Replicate(), output_layouts=tp.Shard(1)),
+               "norm": tp.SequenceParallel(), "norm_f": tp.SequenceParallel(),
+               "up": tp.ColwiseParallel(input_layouts=tp.Shard(1)),
+               "down": tp.RowwiseParallel(output_layouts=tp.Shard(1)),
+               "head": tp.ColwiseParallel(input_layouts=tp.Shard(1), output_layouts=tp.Replicate())}
+    plain_plan = {"emb": tp.ColwiseParallel(output_layouts=tp.Replicate()),
+                  "up": tp.ColwiseParallel(output_layouts=tp.Replicate()),
+                  "down": tp.RowwiseParallel(input_layouts=tp.Replicate()), "head": tp.ColwiseParallel()}
+    x = tokens()
+    for what, plan, out_local in (("sequence-parallel", sp_plan, lambda t: t),
+                                  ("plain", plain_plan, lambda t: t.chunk(group.world_size, -1)[group.rank])):
+        torch.manual_seed(5)
+        ref = _TinyLM()
+        par = tp.parallelize_module(copy.deepcopy(ref), group, plan)
+        y_ref, y = ref(x), par(x)
+        _close(y, out_local(y_ref.detach()), f"tiny LM {what}: output", FP32_TOL)
+        dy = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(6))
+        y_ref.backward(dy)
+        y.backward(out_local(dy))
+        ref_params = dict(ref.named_parameters())
+        for name, p in par.named_parameters():
+            _close(p.grad, tp.shard_like(p, ref_params[name].grad, group), f"tiny LM {what}: grad of {name}",
+                   FP32_TOL)
+
+
 def plan_checks(group, heads, kv_heads, device="cpu", dtype=torch.float32, tol=FP32_TOL, close=None):
     """Every plan variant at this group's TP size; returns how many ran."""
     ws = group.world_size
@@ -158,6 +202,8 @@ def check_tp_plans(rank, world_size):
             ref = build(config)
             _state_dict_checks(ref, tp.parallelize_module(copy.deepcopy(ref), group, plan), group,
                                f"{type(ref).__name__} tp={group.world_size}")
+    _generic_plan_checks(world)
+    _generic_plan_checks(mesh.tp_group)
     _error_checks(world)
     _error_checks(mesh.tp_group)
     return True

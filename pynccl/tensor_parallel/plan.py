@@ -96,7 +96,7 @@ def require_divisible(name: str, what: str, value: int, tp_size: int, num_chunks
 
 
 def shard_param(module: nn.Module, attr: str, dim: int, group, sharded: Dict[int, nn.Parameter],
-                 num_chunks: int = 1) -> None:
+                num_chunks: int = 1) -> None:
     """Replace module.<attr> by this rank's slice (a new Parameter, same name). A parameter
     shared with a module already sharded (tied embedding and LM head) gets that same slice."""
     full = module._parameters[attr]

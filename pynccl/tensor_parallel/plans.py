@@ -47,7 +47,10 @@ def llama(sequence_parallel: bool = False, loss_parallel: bool = True) -> Dict[s
     """Plan for LlamaForCausalLM (also Mistral / Qwen2-style models with the same module names).
     Grouped-query attention works when num_key_value_heads divides by the TP size (each rank
     keeps num_attention_heads/tp query heads and num_key_value_heads/tp key/value heads, the
-    same ratio); else ValueError naming num_key_value_heads."""
+    same ratio); else ValueError naming num_key_value_heads. Nothing in LlamaAttention's forward
+    reads a global head count (transformers 5.17): q/k/v are viewed as (*input_shape, -1,
+    head_dim), so the column-split projections give the local heads, and the eager / SDPA
+    attention read only num_key_value_groups, the unchanged ratio."""
     out = SEQ if sequence_parallel else Replicate()
     layer = "model.layers.*"
     plan: Dict[str, object] = {

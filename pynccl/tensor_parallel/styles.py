@@ -69,7 +69,7 @@ class ColwiseParallel(ParallelStyle):
         conv1d = is_conv1d(module)
         # Linear (out, in) and Embedding (V, h) split dim 0 / 1 of the weight; Conv1D (in, out) dim 1.
         shard_param(module, "weight", 1 if conv1d or isinstance(module, nn.Embedding) else 0, group, sharded,
-                     self.num_fused)
+                    self.num_fused)
         if getattr(module, "bias", None) is not None:
             shard_param(module, "bias", 0, group, sharded, self.num_fused)
         style = self
@@ -115,7 +115,7 @@ class RowwiseParallel(ParallelStyle):
     def check(self, module, name, tp_size):
         if isinstance(module, nn.Embedding):
             require_divisible(name, "num_embeddings", module.num_embeddings, tp_size,
-                             hint=" (pad the vocabulary: model.resize_token_embeddings(n, pad_to_multiple_of=tp))")
+                              hint=" (pad the vocabulary: model.resize_token_embeddings(n, pad_to_multiple_of=tp))")
             if module.max_norm is not None or module.sparse:
                 raise ValueError(f"{name}: RowwiseParallel supports neither max_norm nor sparse embeddings")
         elif isinstance(module, nn.Linear):
@@ -163,16 +163,16 @@ class RowwiseParallel(ParallelStyle):
         return y if bias is None else y + bias
 
 
-def _swap_in(module: nn.Module, places, tensors):
+_MISSING = object()
+
+
+def _swap_in(places, tensors):
     """Make each (submodule, attr) read the given tensor; returns what to restore."""
     saved = []
     for (sub, attr), t in zip(places, tensors):
         saved.append((sub, attr, sub.__dict__.get(attr, _MISSING)))
         sub.__dict__[attr] = t  # shadows _parameters (or what ZeRO installed) for this call
     return saved
-
-
-_MISSING = object()
 
 
 class SequenceParallel(ParallelStyle):
@@ -197,7 +197,7 @@ class SequenceParallel(ParallelStyle):
             summed = allreduce_grads_in_backward([current[i] for i in wanted], group)
             for i, t in zip(wanted, summed):
                 current[i] = t
-            saved = _swap_in(mod, places, current)
+            saved = _swap_in(places, current)
             try:
                 return inner(*args, **kwargs)
             finally:
