@@ -4,7 +4,8 @@ two TP-2 groups). Each check builds the model, copies it, parallelizes the copy,
 `model(input_ids=x, labels=x)` and backward on both, and compares the loss, the logits and every
 parameter's grad with the matching slice of the unsharded model's (fp32, 1e-5): Llama with
 grouped-query attention and GPT-2 (fused Conv1D q|k|v, tied LM head), with and without sequence
-parallelism and the vocabulary-parallel loss. Then the full state dict gathered back from the
+parallelism and the vocabulary-parallel loss, with activation checkpointing; a non-HF model with
+torchtitan-style layouts. Then the full state dict gathered back from the
 shards equals the original's and loads into a fresh model; sizes that do not divide raise
 ValueError naming the dimension, before the model is touched.
 """
@@ -55,12 +56,17 @@ def _close(actual, expected, what, tol):
     torch.testing.assert_close(actual, expected.to(actual.dtype), **tol, msg=lambda m: f"{what}: {m}")
 
 
-def check_plan(config, plan, group, what, tol=FP32_TOL, device="cpu", dtype=torch.float32, close=None):
+def check_plan(config, plan, group, what, tol=FP32_TOL, device="cpu", dtype=torch.float32, close=None,
+               checkpointing=False):
     """Loss, logits and every grad of the parallelized copy against the unsharded model.
-    close(actual, expected, what, tol): the comparison (default: elementwise within tol)."""
+    close(actual, expected, what, tol): the comparison (default: elementwise within tol).
+    checkpointing: the copy recomputes each layer in backward (its collectives run again)."""
     compare = close or _close
     ref = build(config).to(device, dtype)
     par = tp.parallelize_module(copy.deepcopy(ref), group, plan)
+    if checkpointing:
+        par.gradient_checkpointing_enable()
+        par.train()
     x = tokens(device=device)
     ref_out = ref(input_ids=x, labels=x)
     ref_out.loss.backward()
@@ -187,7 +193,9 @@ def plan_checks(group, heads, kv_heads, device="cpu", dtype=torch.float32, tol=F
         count += 1
     check_plan(llama_config(heads, kv_heads, attn="eager"), tp.plans.llama(True), group, f"llama eager tp={ws}", tol,
                device, dtype, close)
-    return count + 1
+    check_plan(llama_config(heads, kv_heads), tp.plans.llama(True), group, f"llama checkpointing tp={ws}", tol, device,
+               dtype, close, checkpointing=True)
+    return count + 2
 
 
 def check_tp_plans(rank, world_size):
@@ -195,8 +203,8 @@ def check_tp_plans(rank, world_size):
     from pynccl.mesh import ParallelMesh
     world = pynccl.distributed.get_default_group()
     mesh = ParallelMesh(dp=2, tp=2)
-    assert plan_checks(world, heads=8, kv_heads=4) == 7  # tp 4, 2 query heads per key/value head
-    assert plan_checks(mesh.tp_group, heads=4, kv_heads=2) == 7  # tp 2
+    assert plan_checks(world, heads=8, kv_heads=4) == 8  # tp 4, 2 query heads per key/value head
+    assert plan_checks(mesh.tp_group, heads=4, kv_heads=2) == 8  # tp 2
     for group, heads, kv in ((world, 8, 4), (mesh.tp_group, 4, 2)):
         for config, plan in ((llama_config(heads, kv), tp.plans.llama(True)), (gpt2_config(), tp.plans.gpt2(True))):
             ref = build(config)
