@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import pynccl
 import pynccl.tensor_parallel as tp
 from pynccl.testing import run_multiprocess
 
@@ -64,6 +65,7 @@ def check_plan(config, plan, group, what, tol=FP32_TOL, device="cpu", dtype=torc
     compare = close or _close
     ref = build(config).to(device, dtype)
     par = tp.parallelize_module(copy.deepcopy(ref), group, plan)
+    group = group or pynccl.get_default_group()  # None: parallelize_module's default group
     if checkpointing:
         par.gradient_checkpointing_enable()
         par.train()
@@ -199,12 +201,12 @@ def plan_checks(group, heads, kv_heads, device="cpu", dtype=torch.float32, tol=F
 
 
 def check_tp_plans(rank, world_size):
-    import pynccl
     from pynccl.mesh import ParallelMesh
     world = pynccl.distributed.get_default_group()
     mesh = ParallelMesh(dp=2, tp=2)
     assert plan_checks(world, heads=8, kv_heads=4) == 8  # tp 4, 2 query heads per key/value head
     assert plan_checks(mesh.tp_group, heads=4, kv_heads=2) == 8  # tp 2
+    check_plan(llama_config(8, 4), tp.plans.llama(), None, "llama, tp_group=None (the default group)")
     for group, heads, kv in ((world, 8, 4), (mesh.tp_group, 4, 2)):
         for config, plan in ((llama_config(heads, kv), tp.plans.llama(True)), (gpt2_config(), tp.plans.gpt2(True))):
             ref = build(config)

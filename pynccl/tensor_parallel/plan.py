@@ -124,7 +124,8 @@ def set_forward(module: nn.Module, style, forward) -> None:
 
 
 def grad_reduced_upstream(x, group) -> bool:
-    return getattr(x, GRAD_REDUCED_BY, None) is group
+    """Whether a PrepareModuleInput over `group` made x and sums its grad (group is resolved, never None)."""
+    return group is not None and getattr(x, GRAD_REDUCED_BY, None) is group
 
 
 Plan = Mapping[str, Union[ParallelStyle, Sequence[ParallelStyle]]]
@@ -149,6 +150,7 @@ def parallelize_module(module: nn.Module, tp_group, plan: Union[Plan, ParallelSt
         plan = {"": plan}
     if getattr(module, SHARD_SPECS_ATTR, None) is not None:
         raise ValueError(f"parallelize_module: {type(module).__name__} is already tensor-parallel")
+    tp_group = dist.get_default_group() if tp_group is None else tp_group  # styles compare groups by identity
     tp_size = dist.get_world_size(tp_group)
     named = list(module.named_modules())
     work = []
