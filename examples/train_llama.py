@@ -51,7 +51,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--weight-decay", type=float, default=0.1)
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--bf16", action="store_true", help="bf16 parameters and activations (else fp32)")
     train.add_argument("--save", default=None, help="directory for save_pretrained of the trained model")
     train.add_argument("--log-every", type=int, default=1, help="print every N steps (0: only the last)")
     return p.parse_args(argv)
@@ -68,11 +67,10 @@ def llama_config(args: argparse.Namespace):
 
 
 def build_model(args: argparse.Namespace):
-    """The same random init on every rank (and in a single-process run): seeded, on the CPU."""
+    """The same random init on every rank (and in a single-process run): seeded, on the CPU, fp32."""
     from transformers import LlamaForCausalLM
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(llama_config(args))
-    return model.to(torch.bfloat16) if args.bf16 else model
+    return LlamaForCausalLM(llama_config(args))
 
 
 def global_batch(args: argparse.Namespace, step: int) -> torch.Tensor:
