@@ -197,15 +197,17 @@ def plan_checks(group, heads, kv_heads, device="cpu", dtype=torch.float32, tol=F
                device, dtype, close)
     check_plan(llama_config(heads, kv_heads), tp.plans.llama(True), group, f"llama checkpointing tp={ws}", tol, device,
                dtype, close, checkpointing=True)
-    return count + 2
+    check_plan(llama_config(heads, kv_heads, tie_word_embeddings=True), tp.plans.llama(True), group,
+               f"llama tied embeddings tp={ws}", tol, device, dtype, close)  # as Llama 3.2 1B / 3B
+    return count + 3
 
 
 def check_tp_plans(rank, world_size):
     from pynccl.mesh import ParallelMesh
     world = pynccl.distributed.get_default_group()
     mesh = ParallelMesh(dp=2, tp=2)
-    assert plan_checks(world, heads=8, kv_heads=4) == 8  # tp 4, 2 query heads per key/value head
-    assert plan_checks(mesh.tp_group, heads=4, kv_heads=2) == 8  # tp 2
+    assert plan_checks(world, heads=8, kv_heads=4) == 9  # tp 4, 2 query heads per key/value head
+    assert plan_checks(mesh.tp_group, heads=4, kv_heads=2) == 9  # tp 2
     check_plan(llama_config(8, 4), tp.plans.llama(), None, "llama, tp_group=None (the default group)")
     for group, heads, kv in ((world, 8, 4), (mesh.tp_group, 4, 2)):
         for config, plan in ((llama_config(heads, kv), tp.plans.llama(True)), (gpt2_config(), tp.plans.gpt2(True))):
