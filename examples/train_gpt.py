@@ -34,6 +34,7 @@ from gpt import checkpoint  # noqa: E402
 from gpt.data import dp_slice, global_batch, load_corpus  # noqa: E402
 from gpt.model import GPTConfig, GPTStage, check_fits, lm_loss, tp_shard_spec  # noqa: E402
 from gpt.parallel import StepRunner, check_combination, clip_grad_norm_, wrap_data_parallel  # noqa: E402
+from launch import run_in_process_group  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -173,19 +174,7 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    if "RANK" not in os.environ:                    # plain `python train_gpt.py`: a world of one
-        from pynccl.testing import find_free_port
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(find_free_port()))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    pynccl.init_process_group(backend=backend)
-    try:
-        train(args)
-    finally:
-        pynccl.destroy_process_group()
+    run_in_process_group(train, parse_args(argv))
 
 
 if __name__ == "__main__":

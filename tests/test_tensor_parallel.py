@@ -87,6 +87,11 @@ def _comm_checks(group, dev, tol):
         ("reduce_scatter_to_sequence", tp.reduce_scatter_to_sequence_parallel_region, xs, gs_small,
          rows(sum(xs), rank), torch.cat(gs_small, 0)),
     ]
+    t = lambda v: v.transpose(0, 1)  # noqa: E731  [s, b, h] -> Hugging Face's [b, s, h], sequence at dim 1
+    cases += [(f"{name} seq_dim=1", lambda x, g, fn=fn: fn(x, g, seq_dim=1), [t(v) for v in inputs],
+               [t(v) for v in grads], t(y), t(dx))
+              for name, fn, inputs, grads, y, dx in cases
+              if name in ("scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence")]
     for name, fn, inputs, grads, expected_y, expected_dx in cases:
         x = inputs[rank].clone().requires_grad_()
         y = fn(x, group)
@@ -98,6 +103,13 @@ def _comm_checks(group, dev, tol):
     (a2 * 2 + b2).sum().backward()
     _close(a.grad, torch.full((3,), 2.0 * ws, device=dev), "allreduce_grads_in_backward: grad", tol)
     _close(b.grad, torch.full((3,), 1.0 * ws, device=dev), "allreduce_grads_in_backward: grad", tol)
+    # f(x) + w: the add hands one grad tensor to both; f's all-reduce must not write into w's (issue #18).
+    # w = 2v is made before f, so its backward runs after f's and would read an all-reduced grad.
+    x, v = (torch.zeros(3, device=dev, requires_grad=True) for _ in range(2))
+    w = v * 2
+    (tp.copy_to_tensor_parallel_region(x, group) + w).backward(torch.full((3,), rank + 1.0, device=dev))
+    _close(v.grad, torch.full((3,), 2 * (rank + 1.0), device=dev), "copy_to with a shared grad: v.grad", tol)
+    _close(x.grad, torch.full((3,), ws * (ws + 1) / 2, device=dev), "copy_to with a shared grad: x.grad", tol)
 
 
 def _layer_checks(group, dev, dtype, tol):

@@ -1,6 +1,10 @@
 """Tensor parallelism with optional sequence parallelism, Megatron-style (arXiv:1909.08053,
 arXiv:2205.05198): sharded layers, the autograd communication ops they are made of,
 vocabulary-parallel cross-entropy, the RNG tracker for dropout, and a GPT-2-style block.
+Also by plan on an unmodified model (plan.py, styles.py, loss_parallel.py, plans.py:
+parallelize_module with ColwiseParallel, RowwiseParallel, SequenceParallel, ... as
+torch.distributed.tensor.parallel, Hugging Face [b, s, h] layout) and a full state dict back
+from it (state_dict.py).
 
 Conventions
 * Layout [s, b, h], sequence first (as Megatron): sequence parallelism splits dim 0, so each
@@ -31,11 +35,17 @@ from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, 
                    gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                    scatter_to_tensor_parallel_region)
+from . import plans
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, VocabParallelEmbedding,
                      column_parallel_linear, shard_like, shard_tensor)
+from .loss_parallel import LossParallel, vocab_parallel_causal_lm_loss
+from .plan import ParallelStyle, Replicate, Shard, parallelize_module, shard_specs
+from .styles import (ColwiseParallel, LocalHeads, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
+                     SequenceParallel)
 from .random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_cuda_rng_tracker, get_rng_tracker,
                      model_parallel_seed)
+from .state_dict import unshard_tensor, unsharded_state_dict
 from .transformer import ParallelCausalSelfAttention, ParallelMLP, ParallelTransformerBlock
 
 __all__ = [
@@ -47,4 +57,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "allreduce_grads_in_backward",
     "RNGStatesTracker", "get_rng_tracker", "get_cuda_rng_tracker", "model_parallel_seed", "MODEL_PARALLEL_RNG",
+    "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "PrepareModuleInput", "PrepareModuleOutput", "LocalHeads", "LossParallel", "Shard", "Replicate", "plans",
+    "shard_specs", "vocab_parallel_causal_lm_loss", "unsharded_state_dict", "unshard_tensor",
 ]

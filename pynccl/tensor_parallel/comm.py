@@ -5,7 +5,9 @@ fused op, _ColumnParallelLinear, exists so backward can overlap its collectives 
 
 Layout: activations are [s, b, h] (sequence first, as Megatron). Sequence parallelism splits
 dim 0, so a rank's shard is one contiguous slab and the all-gather / reduce-scatter write and
-read it in place, with no transpose copies. Tensor parallelism splits the last dim.
+read it in place, with no transpose copies. Tensor parallelism splits the last dim. The
+sequence ops also take seq_dim (1 for Hugging Face's [b, s, h], see plan.py): that dim is moved
+to the front around the collective, one copy each way unless the dims before it have size 1.
 
 At TP size 1 every op returns its input untouched: no collective, no copy.
 """
@@ -29,37 +31,44 @@ def _all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
-    """(n, ...) -> (tp * n, ...): rank r's slab lands at rows [r*n, (r+1)*n).
-    With async_op, returns (output, Work)."""
+def _all_gather_seq(x: torch.Tensor, group, seq_dim: int = 0, async_op: bool = False):
+    """(.., n, ..) -> (.., tp * n, ..) along seq_dim: rank r's slab lands at [r*n, (r+1)*n).
+    seq_dim 0 is gathered straight into the output; another dim is moved to the front first (a
+    copy) and the result is a view with it moved back. With async_op, returns (output, Work)."""
+    if seq_dim != 0:
+        out = _all_gather_seq(x.movedim(seq_dim, 0), group, 0, async_op)
+        return (out[0].movedim(0, seq_dim), out[1]) if async_op else out.movedim(0, seq_dim)
     x = x.contiguous()
     out = torch.empty((_tp_size(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     work = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
-def _check_seq_divisible(what: str, x: torch.Tensor, tp_size: int):
-    if x.dim() == 0 or x.shape[0] % tp_size:
-        raise ValueError(f"{what}: the sequence dim (dim 0 of shape {tuple(x.shape)}; layout [s, b, h]) must be "
+def _check_seq_divisible(what: str, x: torch.Tensor, tp_size: int, seq_dim: int):
+    if x.dim() <= seq_dim or x.shape[seq_dim] % tp_size:
+        raise ValueError(f"{what}: the sequence dim (dim {seq_dim} of shape {tuple(x.shape)}) must be "
                          f"divisible by the tensor-parallel size ({tp_size})")
 
 
-def _reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
-    """(s, ...) -> (s / tp, ...): rank r keeps the sum of every rank's rows [r*s/tp, (r+1)*s/tp).
-    With async_op, returns (output, Work)."""
+def _reduce_scatter_seq(x: torch.Tensor, group, seq_dim: int = 0, async_op: bool = False):
+    """(.., s, ..) -> (.., s / tp, ..) along seq_dim: rank r keeps the sum of every rank's slab
+    [r*s/tp, (r+1)*s/tp). With async_op, returns (output, Work)."""
     tp_size = _tp_size(group)
-    _check_seq_divisible("reduce_scatter_to_sequence_parallel_region", x, tp_size)
+    _check_seq_divisible("reduce_scatter_to_sequence_parallel_region", x, tp_size, seq_dim)
+    if seq_dim != 0:
+        out = _reduce_scatter_seq(x.movedim(seq_dim, 0), group, 0, async_op)
+        return (out[0].movedim(0, seq_dim), out[1]) if async_op else out.movedim(0, seq_dim)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // tp_size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     work = dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
-def _split_dim0(x: torch.Tensor, group) -> torch.Tensor:
+def _split_seq(x: torch.Tensor, group, seq_dim: int = 0) -> torch.Tensor:
     tp_size = _tp_size(group)
-    _check_seq_divisible("scatter_to_sequence_parallel_region", x, tp_size)
-    n = x.shape[0] // tp_size
-    return x.narrow(0, dist.get_rank(group) * n, n).clone()
+    _check_seq_divisible("scatter_to_sequence_parallel_region", x, tp_size, seq_dim)
+    n = x.shape[seq_dim] // tp_size
+    return x.narrow(seq_dim, dist.get_rank(group) * n, n).clone(memory_format=torch.contiguous_format)
 
 
 def _check_last_divisible(what: str, x: torch.Tensor, tp_size: int):
@@ -76,7 +85,7 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
 
 def _all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
     """(..., h/tp) -> (..., h), rank order along the last dim."""
-    stacked = _all_gather_dim0(x.unsqueeze(0), group)  # (tp, ..., h/tp)
+    stacked = _all_gather_seq(x.unsqueeze(0), group)  # (tp, ..., h/tp)
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], -1)  # (..., tp, h/tp) -> (..., h)
 
 
@@ -90,9 +99,9 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # NOTE: reduces in place. The grad reaching here is the fresh output of the column-parallel
-        # matmul's backward (f's output only feeds that matmul), so nobody else holds it.
-        return _all_reduce_(grad, ctx.group), None
+        # NOTE: out of place. Autograd may hand the same tensor to several places: in f(x) + w the
+        # add's backward passes one grad to both, and w.grad may be that very tensor (issue #18).
+        return _all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -134,16 +143,16 @@ class _GatherFromRegion(torch.autograd.Function):
 
 
 class _ScatterToSequenceRegion(torch.autograd.Function):
-    """Keep this rank's slice of the sequence (dim 0); backward all-gathers it."""
+    """Keep this rank's slice of the sequence (dim seq_dim); backward all-gathers it."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_dim0(x, group)
+    def forward(ctx, x, group, seq_dim):
+        ctx.group, ctx.seq_dim = group, seq_dim
+        return _split_seq(x, group, seq_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
+        return _all_gather_seq(grad, ctx.group, ctx.seq_dim), None, None
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
@@ -151,29 +160,28 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
     tensor-parallel region (each rank's grad is a partial sum), else just this rank's slice."""
 
     @staticmethod
-    def forward(ctx, x, group, grad_is_partial):
-        ctx.group = group
-        ctx.grad_is_partial = grad_is_partial
-        return _all_gather_dim0(x, group)
+    def forward(ctx, x, group, grad_is_partial, seq_dim):
+        ctx.group, ctx.grad_is_partial, ctx.seq_dim = group, grad_is_partial, seq_dim
+        return _all_gather_seq(x, group, seq_dim)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.grad_is_partial:
-            return _reduce_scatter_dim0(grad, ctx.group), None, None
-        return _split_dim0(grad, ctx.group), None, None
+            return _reduce_scatter_seq(grad, ctx.group, ctx.seq_dim), None, None, None
+        return _split_seq(grad, ctx.group, ctx.seq_dim), None, None, None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     """Reduce-scatter along the sequence (leaving a row-parallel region); backward all-gathers."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_dim0(x, group)
+    def forward(ctx, x, group, seq_dim):
+        ctx.group, ctx.seq_dim = group, seq_dim
+        return _reduce_scatter_seq(x, group, seq_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
+        return _all_gather_seq(grad, ctx.group, ctx.seq_dim), None, None
 
 
 class _AllReduceGradsInBackward(torch.autograd.Function):
@@ -212,9 +220,10 @@ class _ColumnParallelLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim):
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
-        total = _all_gather_dim0(x, group) if sequence_parallel else x  # (s/tp, b, in) -> (s, b, in)
+        ctx.seq_dim = seq_dim
+        total = _all_gather_seq(x, group, seq_dim) if sequence_parallel else x  # (s/tp, b, in) -> (s, b, in)
         ctx.save_for_backward(x, weight)
         return torch.nn.functional.linear(total, weight, bias)  # (s, b, in) @ (in, out/tp) -> (s, b, out/tp)
 
@@ -224,14 +233,14 @@ class _ColumnParallelLinear(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gather_work = None
         if ctx.sequence_parallel and need_dw:
-            total, gather_work = _all_gather_dim0(x, ctx.group, async_op=True)
+            total, gather_work = _all_gather_seq(x, ctx.group, ctx.seq_dim, async_op=True)
         else:
             total = x
         dx = work = None
         if need_dx:
             dx = dy.matmul(weight.to(dy.dtype))  # (s, b, out/tp) @ (out/tp, in) -> (s, b, in), partial sum
             if ctx.sequence_parallel:
-                dx, work = _reduce_scatter_dim0(dx, ctx.group, async_op=True)  # -> (s/tp, b, in)
+                dx, work = _reduce_scatter_seq(dx, ctx.group, ctx.seq_dim, async_op=True)  # -> (s/tp, b, in)
             else:
                 work = dist.all_reduce(dx, group=ctx.group, async_op=True)
         dw = db = None
@@ -245,7 +254,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         if work is not None:
             work.wait()
         return (dx.to(x.dtype) if dx is not None else None), dw, (None if db is None else db.to(weight.dtype)), \
-            None, None
+            None, None, None
 
 
 # ----------------------------------------------------------------------------- public functions
@@ -270,29 +279,40 @@ def gather_from_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Ten
     return x if _tp_size(group) == 1 else _GatherFromRegion.apply(x, group)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """(s, b, h) -> (s/tp, b, h): this rank's slice of the sequence; backward all-gathers."""
-    return x if _tp_size(group) == 1 else _ScatterToSequenceRegion.apply(x, group)
+def _seq_dim_of(x: torch.Tensor, seq_dim: int) -> int:
+    if x.dim() == 0 or not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(f"seq_dim must index a dim of the input of shape {tuple(x.shape)}, got {seq_dim}")
+    return seq_dim % x.dim()
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, grad_is_partial: bool = True) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None, seq_dim: int = 0) -> torch.Tensor:
+    """(s, b, h) -> (s/tp, b, h): this rank's slice of the sequence; backward all-gathers.
+    seq_dim: where the sequence is (0 in Megatron's [s, b, h], 1 in Hugging Face's [b, s, h])."""
+    return x if _tp_size(group) == 1 else _ScatterToSequenceRegion.apply(x, group, _seq_dim_of(x, seq_dim))
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, grad_is_partial: bool = True,
+                                         seq_dim: int = 0) -> torch.Tensor:
     """(s/tp, b, h) -> (s, b, h). Backward reduce-scatters (`grad_is_partial`, the case when the
     result feeds a column-parallel layer) or keeps this rank's slice."""
-    return x if _tp_size(group) == 1 else _GatherFromSequenceRegion.apply(x, group, grad_is_partial)
+    if _tp_size(group) == 1:
+        return x
+    return _GatherFromSequenceRegion.apply(x, group, grad_is_partial, _seq_dim_of(x, seq_dim))
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None, seq_dim: int = 0) -> torch.Tensor:
     """(s, b, h) -> (s/tp, b, h) summed over `group`; backward all-gathers."""
-    return x if _tp_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+    return x if _tp_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group, _seq_dim_of(x, seq_dim))
 
 
 def linear_with_tensor_parallel_input(x: torch.Tensor, weight: torch.Tensor, bias=None, group=None,
-                                      sequence_parallel: bool = False) -> torch.Tensor:
+                                      sequence_parallel: bool = False, seq_dim: int = 0) -> torch.Tensor:
     """F.linear(f(x), weight, bias), or F.linear(all_gather_seq(x), ...) with sequence_parallel:
     the input side of a column-parallel layer, its backward collectives overlapped with the GEMMs."""
     if _tp_size(group) == 1:
         return torch.nn.functional.linear(x, weight, bias)
-    return _ColumnParallelLinear.apply(x, weight, bias, group, sequence_parallel)
+    seq_dim = _seq_dim_of(x, seq_dim) if sequence_parallel else 0
+    return _ColumnParallelLinear.apply(x, weight, bias, group, sequence_parallel, seq_dim)
 
 
 def allreduce_grads_in_backward(params: Sequence[torch.Tensor], group=None) -> Tuple[torch.Tensor, ...]:

@@ -1,0 +1,183 @@
+"""Tensor parallelism by plan on an unmodified model (Hugging Face or any nn.Module), mirroring
+torch.distributed.tensor.parallel on plain tensors and pynccl groups, with no DTensor:
+
+    model = parallelize_module(model, tp_group, {"model.layers.*.self_attn.q_proj": ColwiseParallel(), ...})
+
+This file holds the machinery: layouts, the ParallelStyle interface, parameter sharding and
+parallelize_module; styles.py the styles, loss_parallel.py the loss, plans.py ready plans.
+Each style shards the matched module's parameters in place (same names, same module classes, so
+the model's own forward, DDP, ZeRO and state_dict keep working) and routes its input and output
+through the autograd ops of comm.py. Layouts say where a tensor is split: Shard(1) is the
+sequence of Hugging Face's [b, s, h] (sequence parallelism), Shard(-1) the features, Replicate()
+the whole tensor on every rank. torch's Shard / Replicate placements are accepted too.
+"""
+from __future__ import annotations
+
+import fnmatch
+import types
+import warnings
+from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from ..comm import distributed as dist
+from .layers import shard_tensor
+
+GRAD_REDUCED_BY = "_pynccl_tp_grad_reduced_by"  # tensor attribute set by PrepareModuleInput
+STYLE_ATTR = "_pynccl_tp_style"                  # module attribute: the style(s) applied to it
+SHARD_SPECS_ATTR = "_pynccl_tp_shard_specs"       # root attribute: {param name: (dim, num_chunks)}
+
+
+class Shard:
+    """The tensor is split along `dim` across the TP group (rank order)."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+
+    def is_shard(self, dim: Optional[int] = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def __repr__(self):
+        return f"Shard({self.dim})"
+
+
+class Replicate:
+    """Every rank holds the whole tensor."""
+
+    def is_shard(self, dim: Optional[int] = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __repr__(self):
+        return "Replicate()"
+
+
+def layout_of(value, what: str, allow_none: bool = False):
+    """Ours or torch's placement (duck-typed: is_shard / is_replicate, .dim)."""
+    if value is None and allow_none:
+        return None
+    if hasattr(value, "is_replicate") and value.is_replicate():
+        return Replicate()
+    if hasattr(value, "is_shard") and value.is_shard() and isinstance(getattr(value, "dim", None), int):
+        return Shard(value.dim)
+    raise ValueError(f"{what}: expected Shard(dim) or Replicate(), got {value!r}")
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D (GPT-2): a linear layer storing its weight transposed, (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def is_sequence_dim(layout, ndim: int) -> bool:
+    return layout.is_shard() and layout.dim % ndim != ndim - 1
+
+
+class ParallelStyle:
+    """How one module is parallelized. check() runs for every match before anything changes,
+    so a size that does not divide leaves the model untouched; apply() changes the module."""
+
+    def check(self, module: nn.Module, name: str, tp_size: int) -> None:
+        pass
+
+    def apply(self, module: nn.Module, name: str, group, sharded: Dict[int, nn.Parameter]) -> None:
+        raise NotImplementedError
+
+
+def require_divisible(name: str, what: str, value: int, tp_size: int, num_chunks: int = 1, hint: str = "") -> None:
+    if value % (tp_size * num_chunks):
+        by = f"{num_chunks} fused blocks × " if num_chunks > 1 else ""
+        raise ValueError(f"{name or 'the root module'}: {what}={value} is not divisible by {by}tp={tp_size}{hint}")
+
+
+def shard_param(module: nn.Module, attr: str, dim: int, group, sharded: Dict[int, nn.Parameter],
+                num_chunks: int = 1) -> None:
+    """Replace module.<attr> by this rank's slice (a new Parameter, same name). A parameter
+    shared with a module already sharded (tied embedding and LM head) gets that same slice."""
+    full = module._parameters[attr]
+    if id(full) in sharded:
+        param = sharded[id(full)]
+        if (param.tp_shard_dim, param.tp_num_chunks) != (dim, num_chunks):
+            raise ValueError(f"{type(module).__name__}.{attr}: this tied parameter is sharded on dim "
+                             f"{param.tp_shard_dim} by another style, but this style needs dim {dim}")
+    elif getattr(full, "tp_shard_dim", None) is not None:
+        raise ValueError(f"{type(module).__name__}.{attr} is already tensor-parallel (parallelized twice?)")
+    else:
+        shard = shard_tensor(full.detach(), dim, dist.get_rank(group), dist.get_world_size(group), num_chunks)
+        param = nn.Parameter(shard.clone(memory_format=torch.contiguous_format), requires_grad=full.requires_grad)
+        param.tp_shard_dim, param.tp_num_chunks = dim, num_chunks
+        sharded[id(full)] = param
+    module._parameters[attr] = param
+
+
+def set_forward(module: nn.Module, style, forward) -> None:
+    if getattr(module, STYLE_ATTR, None) is not None:
+        raise ValueError(f"{type(module).__name__} already has a tensor-parallel forward "
+                         f"({getattr(module, STYLE_ATTR)})")
+    setattr(module, STYLE_ATTR, style)
+    module.forward = types.MethodType(forward, module)
+
+
+def grad_reduced_upstream(x, group) -> bool:
+    """Whether a PrepareModuleInput over `group` made x and sums its grad (group is resolved, never None)."""
+    return group is not None and getattr(x, GRAD_REDUCED_BY, None) is group
+
+
+Plan = Mapping[str, Union[ParallelStyle, Sequence[ParallelStyle]]]
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Glob per dotted atom, as torch's parallelize_module: 'layers.*.mlp' matches 'layers.3.mlp'
+    but not 'layers.3.block.mlp'. The empty pattern is the root module."""
+    if pattern == "" or name == "":
+        return pattern == name
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts))
+
+
+def parallelize_module(module: nn.Module, tp_group, plan: Union[Plan, ParallelStyle]) -> nn.Module:
+    """Apply `plan` ({glob pattern of submodule names: style or tuple of styles}, or one style for
+    `module` itself) over `tp_group` (a pynccl ProcessGroup; None: the default group). Collective
+    in effect: every rank of the group must apply the same plan. Modifies `module` in place and
+    returns it. Raises ValueError, before changing anything, for a size that does not divide.
+    Patterns matching no module are reported with a warning (a pipeline stage may lack some)."""
+    if isinstance(plan, ParallelStyle):
+        plan = {"": plan}
+    if getattr(module, SHARD_SPECS_ATTR, None) is not None:
+        raise ValueError(f"parallelize_module: {type(module).__name__} is already tensor-parallel")
+    tp_group = dist.get_default_group() if tp_group is None else tp_group  # styles compare groups by identity
+    tp_size = dist.get_world_size(tp_group)
+    named = list(module.named_modules())
+    work = []
+    for pattern, styles in plan.items():
+        styles = tuple(styles) if isinstance(styles, (tuple, list)) else (styles,)
+        for style in styles:
+            if not isinstance(style, ParallelStyle):
+                raise TypeError(f"parallelize_module: plan[{pattern!r}] must be a ParallelStyle, got {style!r}")
+        hits = [(name, mod) for name, mod in named if _matches(pattern, name)]
+        if not hits:
+            warnings.warn(f"parallelize_module: plan key {pattern!r} matches no submodule of {type(module).__name__}")
+        work += [(name, mod, style) for name, mod in hits for style in styles]
+    for name, mod, style in work:
+        style.check(mod, name, tp_size)
+    sharded: Dict[int, nn.Parameter] = {}
+    for name, mod, style in sorted(work, key=lambda w: w[0] == ""):  # root styles (the loss) last
+        if tp_size > 1:  # at TP 1 every style is the identity
+            style.apply(mod, name, tp_group, sharded)
+    specs = {name: (p.tp_shard_dim, p.tp_num_chunks) for name, p in module.named_parameters(remove_duplicate=False)
+             if getattr(p, "tp_shard_dim", None) is not None}
+    setattr(module, SHARD_SPECS_ATTR, specs)
+    return module
+
+
+def shard_specs(module: nn.Module) -> Dict[str, Tuple[int, int]]:
+    """{parameter name: (shard dim, fused blocks)} of a module returned by parallelize_module."""
+    specs = getattr(module, SHARD_SPECS_ATTR, None)
+    if specs is None:
+        raise ValueError(f"{type(module).__name__} was not returned by parallelize_module")
+    return specs

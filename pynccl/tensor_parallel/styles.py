@@ -1,0 +1,348 @@
+"""The parallel styles of parallelize_module (plan.py), as torch.distributed.tensor.parallel's:
+ColwiseParallel / RowwiseParallel shard nn.Linear, nn.Embedding and Hugging Face's Conv1D and
+replace their forward by the Megatron compositions of comm.py; SequenceParallel runs a module
+with replicated parameters on a sequence shard; PrepareModuleInput / PrepareModuleOutput re-lay
+a module's inputs or outputs; LocalHeads makes an attention module's head counts per-rank.
+
+What DTensor tracks by itself is a rule here: PrepareModuleInput(..., desired Replicate) makes
+the module's input whole once (an all-gather of the sequence, or an identity) and sums its
+gradient there, once, for all the ColwiseParallel layers that read it (q, k and v share one
+collective, as under DTensor). So every reader of that input inside the module must be a
+ColwiseParallel layer, as in attention and MLP blocks: a plain op reading it would see its
+gradient summed tp times.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..comm import distributed as dist
+from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                   gather_from_tensor_parallel_region, linear_with_tensor_parallel_input,
+                   reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
+                   scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
+from .plan import (GRAD_REDUCED_BY, STYLE_ATTR, ParallelStyle, Replicate, Shard, grad_reduced_upstream, is_conv1d,
+                   is_sequence_dim, layout_of, require_divisible, set_forward, shard_param)
+
+
+class ColwiseParallel(ParallelStyle):
+    """nn.Linear / Conv1D with the output features split (nn.Embedding: the embedding dim).
+
+    input_layouts: Replicate() (default; the input grad is all-reduced here, overlapped with the
+    weight-grad GEMM, unless a PrepareModuleInput sums it upstream) or Shard(seq_dim) (all-gathered
+    here; its grad reduce-scattered). output_layouts: Shard(-1) (default, this rank's features)
+    or Replicate() (all-gathered). num_fused: the output holds that many equal blocks, each
+    split on its own (GPT-2's fused q|k|v). use_local_output is accepted for torch's signature;
+    outputs are always plain tensors.
+    """
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
+                 num_fused: int = 1):
+        self.input_layout = layout_of(input_layouts or Replicate(), "ColwiseParallel input_layouts")
+        self.output_layout = layout_of(output_layouts or Shard(-1), "ColwiseParallel output_layouts")
+        if self.output_layout.is_shard() and self.output_layout.dim != -1:
+            raise ValueError(f"ColwiseParallel: output_layouts must be Shard(-1) or Replicate(), "
+                             f"got {self.output_layout}")
+        if num_fused > 1 and self.output_layout.is_replicate():
+            raise ValueError(f"ColwiseParallel: a gathered fused output would interleave the blocks rank by rank; "
+                             f"num_fused={num_fused} needs output_layouts=Shard(-1)")
+        self.num_fused = num_fused
+
+    def __repr__(self):
+        return f"ColwiseParallel(input={self.input_layout}, output={self.output_layout}, num_fused={self.num_fused})"
+
+    def check(self, module, name, tp_size):
+        if isinstance(module, nn.Embedding):
+            require_divisible(name, "embedding_dim", module.embedding_dim, tp_size)
+        elif isinstance(module, nn.Linear):
+            require_divisible(name, "out_features", module.out_features, tp_size, self.num_fused)
+        elif is_conv1d(module):
+            require_divisible(name, "out_features (nf)", module.nf, tp_size, self.num_fused)
+        else:
+            raise ValueError(f"{name}: ColwiseParallel supports nn.Linear, nn.Embedding and Conv1D, "
+                             f"got {type(module).__name__}")
+
+    def apply(self, module, name, group, sharded):
+        conv1d = is_conv1d(module)
+        # Linear (out, in) and Embedding (V, h) split dim 0 / 1 of the weight; Conv1D (in, out) dim 1.
+        shard_param(module, "weight", 1 if conv1d or isinstance(module, nn.Embedding) else 0, group, sharded,
+                    self.num_fused)
+        if getattr(module, "bias", None) is not None:
+            shard_param(module, "bias", 0, group, sharded, self.num_fused)
+        style = self
+
+        def forward(mod, x):
+            if isinstance(mod, nn.Embedding):
+                y = F.embedding(x, mod.weight, mod.padding_idx, mod.max_norm, mod.norm_type, mod.scale_grad_by_freq,
+                                mod.sparse)  # (b, s) -> (b, s, h/tp)
+            else:
+                y = style._linear(x, mod.weight.t() if conv1d else mod.weight, mod.bias, group)
+            return gather_from_tensor_parallel_region(y, group) if style.output_layout.is_replicate() else y
+
+        set_forward(module, self, forward)
+
+    def _linear(self, x, weight, bias, group):
+        if grad_reduced_upstream(x, group):
+            if not self.input_layout.is_replicate():
+                raise ValueError(f"ColwiseParallel(input_layouts={self.input_layout}): the input was made "
+                                 f"Replicate() by a PrepareModuleInput; declare input_layouts=Replicate()")
+            return F.linear(x, weight, bias)  # (.., in) @ (in, out/tp): its input grad is summed upstream
+        if self.input_layout.is_replicate():
+            return linear_with_tensor_parallel_input(x, weight, bias, group)
+        # (b, s/tp, in) -> all-gather the sequence -> (b, s, out/tp)
+        return linear_with_tensor_parallel_input(x, weight, bias, group, sequence_parallel=True,
+                                                 seq_dim=self.input_layout.dim)
+
+
+class RowwiseParallel(ParallelStyle):
+    """nn.Linear / Conv1D with the input features split; the partial outputs are summed
+    (output_layouts Replicate(): all-reduce, default; Shard(seq_dim): reduce-scatter along the
+    sequence) and the bias added once, after the sum. input_layouts: Shard(-1) (default, the
+    output of a ColwiseParallel layer) or Replicate() (sliced here).
+    nn.Embedding: the vocabulary is split (rows); each rank looks up its own token ids and the
+    sum over ranks is the lookup (input_layouts Replicate(): the token ids)."""
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
+        self.input_layout = layout_of(input_layouts, "RowwiseParallel input_layouts", allow_none=True)
+        self.output_layout = layout_of(output_layouts or Replicate(), "RowwiseParallel output_layouts")
+
+    def __repr__(self):
+        return f"RowwiseParallel(input={self.input_layout}, output={self.output_layout})"
+
+    def check(self, module, name, tp_size):
+        if isinstance(module, nn.Embedding):
+            require_divisible(name, "num_embeddings", module.num_embeddings, tp_size,
+                              hint=" (pad the vocabulary: model.resize_token_embeddings(n, pad_to_multiple_of=tp))")
+            if module.max_norm is not None or module.sparse:
+                raise ValueError(f"{name}: RowwiseParallel supports neither max_norm nor sparse embeddings")
+        elif isinstance(module, nn.Linear):
+            require_divisible(name, "in_features", module.in_features, tp_size)
+        elif is_conv1d(module):
+            require_divisible(name, "in_features (nx)", module.nx, tp_size)
+        else:
+            raise ValueError(f"{name}: RowwiseParallel supports nn.Linear, nn.Embedding and Conv1D, "
+                             f"got {type(module).__name__}")
+
+    def apply(self, module, name, group, sharded):
+        embedding, conv1d = isinstance(module, nn.Embedding), is_conv1d(module)
+        # Linear (out, in): dim 1; Conv1D (in, out) and Embedding (V, h): dim 0. The bias stays whole.
+        shard_param(module, "weight", 0 if embedding or conv1d else 1, group, sharded)
+        tp_rank = dist.get_rank(group)
+        style = self
+        if embedding:
+            rows = module.num_embeddings // dist.get_world_size(group)
+            start = tp_rank * rows
+            pad = module.padding_idx
+            local_pad = pad - start if pad is not None and start <= pad < start + rows else None
+
+            def forward(mod, tokens):
+                outside = (tokens < start) | (tokens >= start + rows)
+                local = (tokens - start).masked_fill(outside, 0)
+                # (b, s) -> (b, s, h): rows of this rank's tokens, zeros elsewhere; the sum over ranks is the lookup.
+                y = F.embedding(local, mod.weight, local_pad).masked_fill(outside.unsqueeze(-1), 0.0)
+                return style._reduce(y, None, group)
+        else:
+            def forward(mod, x):
+                if style.input_layout is not None and style.input_layout.is_replicate():
+                    x = scatter_to_tensor_parallel_region(x, group)  # (.., in) -> (.., in/tp)
+                y = F.linear(x, mod.weight.t() if conv1d else mod.weight)  # (.., in/tp) -> (.., out), a partial sum
+                return style._reduce(y, getattr(mod, "bias", None), group)
+
+        set_forward(module, self, forward)
+
+    def _reduce(self, y, bias, group):
+        if self.output_layout.is_replicate():
+            y = reduce_from_tensor_parallel_region(y, group, inplace=True)  # y is fresh: reduce in place
+        else:
+            y = reduce_scatter_to_sequence_parallel_region(y, group, seq_dim=self.output_layout.dim)
+            if bias is not None:  # now meets only this rank's tokens: its grad is a partial sum
+                bias, = allreduce_grads_in_backward((bias,), group)
+        return y if bias is None else y + bias
+
+
+_MISSING = object()
+
+
+def _swap_in(places, tensors):
+    """Make each (submodule, attr) read the given tensor; returns what to restore."""
+    saved = []
+    for (sub, attr), t in zip(places, tensors):
+        saved.append((sub, attr, sub.__dict__.get(attr, _MISSING)))
+        sub.__dict__[attr] = t  # shadows _parameters (or what ZeRO installed) for this call
+    return saved
+
+
+class SequenceParallel(ParallelStyle):
+    """A module with replicated parameters (a norm) run on this rank's sequence shard: its input
+    is taken to be the shard already, and its parameters' grads, each a partial sum over this
+    rank's tokens, are summed over the TP group in backward (one collective per module call).
+    The module's own forward runs unchanged, with its parameters read through that sum."""
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+        self.sequence_dim = sequence_dim
+
+    def __repr__(self):
+        return f"SequenceParallel(sequence_dim={self.sequence_dim})"
+
+    def apply(self, module, name, group, sharded):
+        places = [(sub, attr) for sub in module.modules() for attr, p in sub._parameters.items() if p is not None]
+        inner = module.forward
+
+        def forward(mod, *args, **kwargs):
+            current = [getattr(sub, attr) for sub, attr in places]  # Parameters, or what ZeRO installed
+            wanted = [i for i, t in enumerate(current) if t.requires_grad]
+            summed = allreduce_grads_in_backward([current[i] for i in wanted], group)
+            for i, t in zip(wanted, summed):
+                current[i] = t
+            saved = _swap_in(places, current)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                for sub, attr, old in saved:
+                    if old is _MISSING:
+                        del sub.__dict__[attr]
+                    else:
+                        sub.__dict__[attr] = old
+
+        set_forward(module, self, forward)
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Re-lay the module's inputs before its forward: positional args by input_layouts /
+    desired_input_layouts, keyword args by the *_kwarg_* dicts (None: leave the arg alone).
+
+    Shard(d) -> Replicate(): all-gather the sequence; Replicate() -> Replicate(): identity. Both
+    sum the input's gradient here, once, for the ColwiseParallel layers reading it (see the
+    module docstring for what that requires). Replicate() -> Shard(d): keep this rank's slice
+    of dim d (entering a sequence-parallel region); its grad is all-gathered.
+    """
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
+                 desired_input_kwarg_layouts=None, use_local_output: bool = False):
+        def pairs(src, dst, what):
+            src = tuple(src) if isinstance(src, (tuple, list)) else ((src,) if src is not None else ())
+            dst = tuple(dst) if isinstance(dst, (tuple, list)) else ((dst,) if dst is not None else ())
+            if len(src) != len(dst):
+                raise ValueError(f"PrepareModuleInput: {what} layouts {src} and desired {dst} differ in length")
+            return [(layout_of(s, what, True), layout_of(d, what, True)) for s, d in zip(src, dst)]
+
+        self.arg_layouts = pairs(input_layouts, desired_input_layouts, "input")
+        src_kw, dst_kw = dict(input_kwarg_layouts or {}), dict(desired_input_kwarg_layouts or {})
+        if src_kw.keys() != dst_kw.keys():
+            raise ValueError(f"PrepareModuleInput: input_kwarg_layouts names {sorted(src_kw)} differ from "
+                             f"desired_input_kwarg_layouts names {sorted(dst_kw)}")
+        self.kwarg_layouts = {k: pairs(src_kw[k], dst_kw[k], f"kwarg {k!r}")[0] for k in src_kw}
+        for src, dst in self.arg_layouts + list(self.kwarg_layouts.values()):
+            if src is not None and dst is not None and src.is_shard() and dst.is_shard() and src.dim != dst.dim:
+                raise ValueError(f"PrepareModuleInput: {src} -> {dst} is not supported (only to or from Replicate())")
+
+    def __repr__(self):
+        return f"PrepareModuleInput(args={self.arg_layouts}, kwargs={self.kwarg_layouts})"
+
+    def apply(self, module, name, group, sharded):
+        if getattr(module, STYLE_ATTR + "_input", None) is not None:
+            raise ValueError(f"{name}: already has a PrepareModuleInput")
+        setattr(module, STYLE_ATTR + "_input", self)
+
+        def hook(mod, args, kwargs):
+            args = tuple(_relayout(a, *self.arg_layouts[i], group) if i < len(self.arg_layouts) else a
+                         for i, a in enumerate(args))
+            kwargs = {k: _relayout(v, *self.kwarg_layouts[k], group) if k in self.kwarg_layouts else v
+                      for k, v in kwargs.items()}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _relayout(x, src, dst, group):
+    if src is None or dst is None or not isinstance(x, torch.Tensor) or dist.get_world_size(group) == 1:
+        return x
+    if dst.is_replicate():
+        if src.is_replicate():
+            x = copy_to_tensor_parallel_region(x, group)
+        elif is_sequence_dim(src, x.dim()):
+            x = gather_from_sequence_parallel_region(x, group, grad_is_partial=True, seq_dim=src.dim)
+        else:
+            raise ValueError(f"PrepareModuleInput: {src} -> Replicate() is supported along the sequence, "
+                             f"not the last dim, of an input of shape {tuple(x.shape)}")
+        setattr(x, GRAD_REDUCED_BY, group)
+        return x
+    if src.is_replicate():
+        if is_sequence_dim(dst, x.dim()):
+            return scatter_to_sequence_parallel_region(x, group, seq_dim=dst.dim)
+        return scatter_to_tensor_parallel_region(x, group)
+    return x  # Shard(d) -> Shard(d)
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Re-lay the module's output (a tensor, or a tuple's leading tensors) after its forward.
+    Shard(d) -> Replicate(): all-gather the sequence; the grad coming back is taken to be whole
+    (its consumers, e.g. a ColwiseParallel with Replicate() input, sum their own), so backward
+    keeps this rank's slice. Use it where the model reshapes a sequence-sharded output on the
+    way out (GPT-2 views its final hidden states to the input's sequence length).
+    Replicate() -> Shard(d): keep this rank's slice; backward all-gathers."""
+
+    def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
+        src = output_layouts if isinstance(output_layouts, (tuple, list)) else (output_layouts,)
+        dst = desired_output_layouts if isinstance(desired_output_layouts, (tuple, list)) else (desired_output_layouts,)
+        if len(src) != len(dst):
+            raise ValueError(f"PrepareModuleOutput: output_layouts {src} and desired {dst} differ in length")
+        self.layouts = [(layout_of(a, "output", True), layout_of(b, "output", True)) for a, b in zip(src, dst)]
+
+    def __repr__(self):
+        return f"PrepareModuleOutput({self.layouts})"
+
+    def apply(self, module, name, group, sharded):
+        def relayout(x, src, dst):
+            if src is None or dst is None or not isinstance(x, torch.Tensor):
+                return x
+            if src.is_replicate() == dst.is_replicate():
+                return x
+            if dst.is_replicate() and is_sequence_dim(src, x.dim()):
+                return gather_from_sequence_parallel_region(x, group, grad_is_partial=False, seq_dim=src.dim)
+            if src.is_replicate() and is_sequence_dim(dst, x.dim()):
+                return scatter_to_sequence_parallel_region(x, group, seq_dim=dst.dim)
+            raise ValueError(f"PrepareModuleOutput: {src} -> {dst} is supported along the sequence only")
+
+        def hook(mod, args, output):
+            if isinstance(output, torch.Tensor):
+                return relayout(output, *self.layouts[0])
+            if isinstance(output, tuple):
+                return tuple(relayout(o, *self.layouts[i]) if i < len(self.layouts) else o
+                             for i, o in enumerate(output))
+            return output
+
+        module.register_forward_hook(hook)
+
+
+class LocalHeads(ParallelStyle):
+    """An attention module whose heads are split by its projections: checks that the head
+    counts divide (config_attributes, read from module.config: num_attention_heads,
+    num_key_value_heads) and divides integer attributes its forward reads as global sizes
+    (attributes, e.g. GPT-2's split_size, num_heads, embed_dim) by the TP size."""
+
+    def __init__(self, *, attributes: Sequence[str] = (), config_attributes: Sequence[str] = ()):
+        self.attributes, self.config_attributes = tuple(attributes), tuple(config_attributes)
+
+    def __repr__(self):
+        return f"LocalHeads(attributes={self.attributes}, config_attributes={self.config_attributes})"
+
+    def check(self, module, name, tp_size):
+        config = getattr(module, "config", None)
+        for attr in self.config_attributes:
+            value = getattr(config, attr, None)
+            if not isinstance(value, int):
+                raise ValueError(f"{name}: LocalHeads needs module.config.{attr} (an int), got {value!r}")
+            require_divisible(name, attr, value, tp_size)
+        for attr in self.attributes:
+            value = getattr(module, attr, None)
+            if not isinstance(value, int):
+                raise ValueError(f"{name}: LocalHeads needs an int attribute {attr!r}, got {value!r}")
+            require_divisible(name, attr, value, tp_size)
+
+    def apply(self, module, name, group, sharded):
+        for attr in self.attributes:
+            setattr(module, attr, getattr(module, attr) // dist.get_world_size(group))
