@@ -30,12 +30,12 @@ def add_ratios(rows: List[dict]) -> None:
             r["ms_vs_torch"] = r["median_ms"] / ref
 
 
-HEADER = (f"{'strategy':<15}{'runs':<27}{'layout':<9}{'tokens/s':>11}{'median ms':>11}{'min ms':>9}"
+HEADER = (f"{'strategy':<15}{'runs':<27}{'layout':<11}{'tokens/s':>11}{'median ms':>11}{'min ms':>9}"
           f"{'peak GiB':>10}{'loss':>9}{'ms vs torch':>13}")
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['strategy']:<15}{runs_as(r['strategy'], r['impl']):<27}{r['layout']:<9}"
+    head = f"{r['strategy']:<15}{runs_as(r['strategy'], r['impl']):<27}{r['layout']:<11}"
     if r.get("error"):
         return head + f"FAILED: {r['error']}"
     peak = "-" if math.isnan(r["peak_gib"]) else f"{r['peak_gib']:.2f}"
