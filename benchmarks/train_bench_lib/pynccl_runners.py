@@ -58,9 +58,8 @@ def _tensor_parallel_api():
     try:
         from pynccl.tensor_parallel import parallelize_module, plans
     except ImportError as e:
-        raise RuntimeError(f"the tp strategies need pynccl.tensor_parallel.parallelize_module and "
-                           f"pynccl.tensor_parallel.plans.llama (issue #18 item 1), which this checkout does "
-                           f"not have yet: {e}") from None
+        raise RuntimeError(f"pynccl.tensor_parallel.parallelize_module / plans.llama (issue #18 item 1) "
+                           f"are not in this checkout ({e})") from None
     return parallelize_module, plans
 
 
