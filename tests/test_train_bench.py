@@ -97,3 +97,30 @@ def test_train_bench_pairs_agree_on_gloo(tmp_path, capfd):
     assert [line.split()[0] for line in summary] == ["ddp", "ddp", "zero3", "zero3", "pp-1f1b", "pp-1f1b"]
     assert all(name in line for name, line in zip(expected, summary)), summary
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _single_process_losses(strategy):
+    """The reference: the same model, batch and AdamW on one process, no parallelism."""
+    import torch
+    from train_bench_lib.models import BenchContext, hf_lm_step
+    args = train_bench.parse_args(["--device", "cpu"] + TINY)
+    ctx = BenchContext(args, torch.device("cpu"), 1, 0, torch.float32)
+    model = ctx.build_model(strategy)
+    step = hf_lm_step(ctx, model, ctx.optimizer(model.parameters()), ctx.tokens(0), autocast=False)
+    return [step().item() for _ in range(args.warmup + args.steps)]
+
+
+def test_torch_tensor_parallel_plans_train_as_one_process(tmp_path):
+    """The torch side of tp and tp-sp (train_bench's torchtitan-style DTensor plan on the HF Llama)
+    at tp 2 against one process: a wrong plan entry (a missed all-reduce, positions computed from the
+    local sequence shard) would break the losses. pynccl's side joins once its TP API exists."""
+    out = tmp_path / "tp.json"
+    train_bench.main(["--device", "cpu", "--nproc", "2", "--strategy", "tp,tp-sp", "--impl", "torch",
+                      "--json", str(out)] + TINY)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["strategy"], r["impl"]) for r in rows] == [("tp", "torch"), ("tp-sp", "torch")]
+    expected = _single_process_losses("tp")
+    for r in rows:
+        assert not r.get("error"), r.get("error")
+        for step, (a, b) in enumerate(zip(r["losses"], expected)):
+            assert abs(a - b) <= REL * abs(b), f"{r['strategy']} step {step}: DTensor loss {a} vs one process {b}"

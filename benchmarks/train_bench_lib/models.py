@@ -156,3 +156,31 @@ def hf_lm_step(ctx: BenchContext, model, opt, x: torch.Tensor, autocast: bool) -
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return step
+
+
+def pipeline_trainer(ctx: BenchContext, kind: str, make_stage: Callable, schedules: dict) -> Trainer:
+    """Either side's pipeline: this rank's HF stages (pynccl.pipeline.hf; 2 per rank for interleaved),
+    make_stage(module, stage_index, num_stages) wrapping each, schedules[kind] running them on
+    --microbatches micro-batches. The two APIs take the same step() call: inputs on the first stage,
+    target and losses on the last; the loss is the mean of the micro-batches'."""
+    from pynccl.pipeline import causal_lm_loss, hf_stage_modules
+    pp, pp_rank = ctx.world_size, ctx.rank
+    v = 2 if kind == "interleaved" else 1
+    num_stages = pp * v
+    model = ctx.build_model(f"pp-{kind}")
+    mods = hf_stage_modules(model, pp_rank, pp, stages_per_rank=v)
+    del model                                   # only this rank's stages stay referenced
+    stages = [make_stage(mod, k, num_stages) for mod, k in zip(mods, range(pp_rank, num_stages, pp))]
+    sched = schedules[kind](stages if v > 1 else stages[0], ctx.args.microbatches, loss_fn=causal_lm_loss)
+    opt = ctx.optimizer([p for mod in mods for p in mod.parameters()])
+    x = ctx.tokens(0)
+    has_first, has_last = pp_rank == 0, pp_rank == (num_stages - 1) % pp
+
+    def step():
+        losses = []
+        with ctx.autocast():
+            sched.step(*([x] if has_first else []), target=x if has_last else None, losses=losses)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return torch.stack(losses).mean().detach() if losses else None
+    return Trainer(step, [mods, stages, sched, opt])

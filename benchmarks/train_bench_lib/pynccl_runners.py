@@ -12,11 +12,10 @@ from __future__ import annotations
 import torch
 
 import pynccl
-from pynccl.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, causal_lm_loss,
-                             hf_stage_modules)
+from pynccl.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from pynccl.zero import MixedPrecision
 
-from .models import BenchContext, Trainer, hf_lm_step
+from .models import BenchContext, Trainer, hf_lm_step, pipeline_trainer
 
 
 def build(strategy: str, ctx: BenchContext) -> Trainer:
@@ -91,30 +90,8 @@ def _tp_zero3(ctx: BenchContext) -> Trainer:
 
 def _pp(ctx: BenchContext, kind: str) -> Trainer:
     group = pynccl.get_default_group()
-    pp, pp_rank = group.world_size, group.rank
-    v = 2 if kind == "interleaved" else 1
-    num_stages = pp * v
-    model = ctx.build_model(f"pp-{kind}")
-    mods = hf_stage_modules(model, pp_rank, pp, stages_per_rank=v)
-    del model                                   # only this rank's stages stay referenced
-    stages = [PipelineStage(mod, k, num_stages, device=ctx.device, group=group)
-              for mod, k in zip(mods, range(pp_rank, num_stages, pp))]
-    m = ctx.args.microbatches
-    if kind == "gpipe":
-        sched = ScheduleGPipe(stages[0], m, causal_lm_loss)
-    elif kind == "1f1b":
-        sched = Schedule1F1B(stages[0], m, causal_lm_loss)
-    else:
-        sched = ScheduleInterleaved1F1B(stages, m, causal_lm_loss)
-    opt = ctx.optimizer([p for mod in mods for p in mod.parameters()])
-    x = ctx.tokens(0)
-    has_first, has_last = pp_rank == 0, pp_rank == (num_stages - 1) % pp
 
-    def step():
-        losses = []
-        with ctx.autocast():
-            sched.step(*([x] if has_first else []), target=x if has_last else None, losses=losses)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return torch.stack(losses).mean() if losses else None
-    return Trainer(step, [mods, stages, sched, opt])
+    def make_stage(mod, k, num_stages):
+        return PipelineStage(mod, k, num_stages, device=ctx.device, group=group)
+    return pipeline_trainer(ctx, kind, make_stage, {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                                                    "interleaved": ScheduleInterleaved1F1B})

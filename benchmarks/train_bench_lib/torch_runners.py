@@ -7,9 +7,8 @@ same HF stages pynccl pipelines; FSDP2 over "dp" on top of TP over "tp" of a 2-D
 from __future__ import annotations
 
 import torch
-import torch.distributed as tdist
 
-from .models import BenchContext, Trainer, hf_lm_step, layout_of
+from .models import BenchContext, Trainer, hf_lm_step, layout_of, pipeline_trainer
 from .torch_tp_plan import loss_parallel_step, tensor_parallelize_llama
 
 
@@ -98,39 +97,11 @@ def _fsdp2_tp(ctx: BenchContext) -> Trainer:
 def _pp(ctx: BenchContext, kind: str) -> Trainer:
     from torch.distributed import pipelining
 
-    from pynccl.pipeline import causal_lm_loss, hf_stage_modules
-    pp, pp_rank = ctx.world_size, ctx.rank
-    v = 2 if kind == "interleaved" else 1
-    num_stages = pp * v
-    model = ctx.build_model(f"pp-{kind}")
-    mods = hf_stage_modules(model, pp_rank, pp, stages_per_rank=v)
-    del model                                   # only this rank's stages stay referenced
-    stages = [pipelining.PipelineStage(mod, k, num_stages, ctx.device)
-              for mod, k in zip(mods, range(pp_rank, num_stages, pp))]
-    m = ctx.args.microbatches
-    if kind == "gpipe":
-        sched = pipelining.ScheduleGPipe(stages[0], m, loss_fn=causal_lm_loss)
-    elif kind == "1f1b":
-        sched = pipelining.Schedule1F1B(stages[0], m, loss_fn=causal_lm_loss)
-    else:
-        sched = pipelining.ScheduleInterleaved1F1B(stages, m, loss_fn=causal_lm_loss)
-    opt = ctx.optimizer([p for mod in mods for p in mod.parameters()])
-    x = ctx.tokens(0)
-    has_first, has_last = pp_rank == 0, pp_rank == (num_stages - 1) % pp
-
-    def step():
-        losses = []
-        with ctx.autocast():
-            if has_first:
-                sched.step(x, target=x if has_last else None, losses=losses)
-            elif has_last:
-                sched.step(target=x, losses=losses)
-            else:
-                sched.step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return torch.stack(losses).mean().detach() if losses else None
-    return Trainer(step, [mods, stages, sched, opt])
+    def make_stage(mod, k, num_stages):
+        return pipelining.PipelineStage(mod, k, num_stages, ctx.device)
+    return pipeline_trainer(ctx, kind, make_stage, {"gpipe": pipelining.ScheduleGPipe,
+                                                    "1f1b": pipelining.Schedule1F1B,
+                                                    "interleaved": pipelining.ScheduleInterleaved1F1B})
 
 
 def torch_nccl_version() -> str:
@@ -139,7 +110,3 @@ def torch_nccl_version() -> str:
         return ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
     except Exception as e:  # noqa: BLE001 - a CPU-only build has no NCCL
         return f"n/a ({type(e).__name__})"
-
-
-def barrier() -> None:
-    tdist.barrier()
