@@ -12,8 +12,8 @@ mkdir -p "$O"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 BUDGET=${BUDGET:-480}
 N=${NGPU:-4}
-python3 -c "import pynccl, transformers; print('pynccl NCCL', pynccl.nccl_version(), 'transformers', transformers.__version__)" \
-  >"$O/versions.txt" 2>&1 || { cat "$O/versions.txt"; echo "run_train_bench: pynccl (built) and transformers are needed"; exit 1; }
+python3 -c "import pynccl, transformers; print(pynccl.nccl_version(), 'transformers', transformers.__version__)" \
+  >"$O/versions.txt" 2>&1 || { cat "$O/versions.txt"; echo "run_train_bench: needs pynccl built, transformers"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$O/versions.txt" 2>&1
 cat "$O/versions.txt"
 

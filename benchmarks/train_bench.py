@@ -40,18 +40,16 @@ import torch.distributed as tdist  # noqa: E402
 import pynccl  # noqa: E402
 from train_bench_lib import pynccl_runners, report, torch_runners  # noqa: E402
 from train_bench_lib.harness import free_device_memory, measure  # noqa: E402
-from train_bench_lib.models import (DEFAULTS, MODELS, BenchContext, hf_config, layout_of, num_params,  # noqa: E402
-                                    parse_strategies, preload)
+from train_bench_lib.models import (DEFAULTS, MODELS, STRATEGIES, BenchContext, hf_config,  # noqa: E402
+                                    layout_of, num_params, parse_strategies, preload)
 
 RUNNERS = {"pynccl": pynccl_runners.build, "torch": torch_runners.build}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(description="Train a Hugging Face model with pynccl and with torch, one row each.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--strategy", default="zero3", help="comma list of " + ", ".join(
-        ["ddp", "zero1", "zero2", "zero3", "tp", "tp-sp", "pp-gpipe", "pp-1f1b", "pp-interleaved", "tp2xdp2"])
-        + ", or all")
+    p.add_argument("--strategy", default="zero3", help="comma list of " + ", ".join(STRATEGIES) + ", or all")
     p.add_argument("--impl", choices=["both", "pynccl", "torch"], default="both")
     p.add_argument("--model", choices=MODELS, default="hf-llama")
     for name in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab", "seq"):

@@ -13,9 +13,9 @@ import torch
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "tp", "tp-sp", "pp-gpipe", "pp-1f1b", "pp-interleaved", "tp2xdp2"]
 MODELS = ["hf-llama", "hf-gpt2"]
-# Flag defaults per model: a ~1B Llama (TinyLlama's shape) and GPT-2 medium.
+# Flag defaults per model: a 1.1B Llama (Llama-3.2-1B's shape with a 32000 vocabulary) and GPT-2 medium.
 DEFAULTS = {
-    "hf-llama": dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=5632, vocab=32000, seq=2048),
+    "hf-llama": dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=32000, seq=2048),
     "hf-gpt2": dict(hidden=1024, layers=24, heads=16, kv_heads=None, intermediate=None, vocab=50257, seq=1024),
 }
 TP_STRATEGIES = ("tp", "tp-sp", "tp2xdp2")
@@ -55,7 +55,8 @@ def parse_strategies(text: str):
     names = STRATEGIES if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in STRATEGIES]
     if bad or not names:
-        raise ValueError(f"--strategy: unknown {bad or text!r}; expected a comma list of {', '.join(STRATEGIES)} or 'all'")
+        raise ValueError(f"--strategy: unknown {bad or text!r}; expected a comma list of "
+                         f"{', '.join(STRATEGIES)} or 'all'")
     return names
 
 
@@ -77,7 +78,8 @@ def hf_config(args, untie: bool = False):
 
 def model_class(config):
     import transformers
-    return transformers.LlamaForCausalLM if isinstance(config, transformers.LlamaConfig) else transformers.GPT2LMHeadModel
+    llama = isinstance(config, transformers.LlamaConfig)
+    return transformers.LlamaForCausalLM if llama else transformers.GPT2LMHeadModel
 
 
 def preload() -> None:
