@@ -204,7 +204,7 @@ def plan_checks(group, heads, kv_heads, device="cpu", dtype=torch.float32, tol=F
 
 def check_tp_plans(rank, world_size):
     from pynccl.mesh import ParallelMesh
-    world = pynccl.distributed.get_default_group()
+    world = pynccl.get_default_group()
     mesh = ParallelMesh(dp=2, tp=2)
     assert plan_checks(world, heads=8, kv_heads=4) == 9  # tp 4, 2 query heads per key/value head
     assert plan_checks(mesh.tp_group, heads=4, kv_heads=2) == 9  # tp 2

@@ -1,0 +1,203 @@
+"""Training, pynccl against the torch counterpart a user would pick, in one run: a Hugging Face
+model config (random init, sizes by flags) trains --steps steps under a strategy, once with
+pynccl and once with torch, from the same initial weights on the same data; one table row each:
+tokens/s, step ms (median, min), peak memory, the loss after the last step, pynccl's step time
+over torch's.
+
+    torchrun --nproc_per_node 4 benchmarks/train_bench.py --strategy zero3,ddp        # ~1B Llama, bf16
+    torchrun --nproc_per_node 4 benchmarks/train_bench.py --model hf-gpt2 --strategy zero1,zero2,zero3
+    python benchmarks/train_bench.py --device cpu --nproc 2 --strategy ddp,zero3,pp-1f1b \\
+        --hidden 64 --layers 4 --heads 4 --kv-heads 2 --intermediate 128 --vocab 128 --seq 32 --batch 4 --steps 3
+
+Pairs (--strategy, a comma list or all):
+  ddp                  pynccl.DistributedDataParallel  vs torch DDP                  (bf16 autocast)
+  zero1|zero2|zero3    pynccl.FullyShardedDataParallel(stage=k) vs torch FSDP2 (fully_shard per block
+                       + root); both MixedPrecision bf16 params, fp32 gradient reduction
+  tp|tp-sp             pynccl.tensor_parallel.parallelize_module(plans.llama(sp)) vs DTensor
+                       parallelize_module, torchtitan's Llama plan (tp = world size; bf16 autocast)
+  pp-gpipe|pp-1f1b|pp-interleaved   pynccl.pipeline vs torch.distributed.pipelining, the same HF
+                       stages (pynccl.pipeline.hf), --microbatches micro-batches (pp = world size;
+                       interleaved: 2 stages per rank)
+  tp2xdp2              pynccl TP (tp 2) + ZeRO-3 (dp world/2) vs DTensor TP + FSDP2 on a 2-D mesh
+--batch is sequences per model replica (per data-parallel rank), so tokens/s counts the whole job:
+batch × seq × dp / step time. Every step uses the same batch (per replica): the loss falls, and
+the two sides' losses compare (equal in fp32, within bf16 noise in bf16).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+import torch.distributed as tdist  # noqa: E402
+
+import pynccl  # noqa: E402
+from train_bench_lib import pynccl_runners, report, torch_runners  # noqa: E402
+from train_bench_lib.harness import free_device_memory, measure  # noqa: E402
+from train_bench_lib.models import (DEFAULTS, MODELS, STRATEGIES, BenchContext, hf_config,  # noqa: E402
+                                    layout_of, num_params, parse_strategies, preload)
+
+RUNNERS = {"pynccl": pynccl_runners.build, "torch": torch_runners.build}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Train a Hugging Face model with pynccl and with torch, one row each.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--strategy", default="zero3", help="comma list of " + ", ".join(STRATEGIES) + ", or all")
+    p.add_argument("--impl", choices=["both", "pynccl", "torch"], default="both")
+    p.add_argument("--model", choices=MODELS, default="hf-llama")
+    for name in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab", "seq"):
+        p.add_argument(f"--{name}", type=int, default=None, help="default: the model's (see DEFAULTS)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per model replica (data-parallel rank)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (they train too)")
+    p.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches per step")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--optim-impl", choices=["auto", "fused", "foreach", "for-loop"], default="auto",
+                   help="AdamW implementation (auto: fused on GPU, foreach on CPU)")
+    p.add_argument("--zero12-optim-impl", choices=["same", "fused", "foreach", "for-loop"], default="foreach",
+                   help="AdamW of pynccl ZeRO stages 1/2 (default foreach: before issue #15's fix they miss the "
+                        "re-gather after a fused step and do not train; 'same' follows --optim-impl)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--nproc", type=int, default=1, help="processes to spawn when not under torchrun")
+    p.add_argument("--json", help="write the header and rows here (rank 0)")
+    p.add_argument("--plot", help="draw tokens/s per strategy here (PNG; rank 0)")
+    args = p.parse_args(argv)
+    for key, value in DEFAULTS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.model == "hf-llama" and args.kv_heads is None:
+        args.kv_heads = args.heads
+    args.strategies = parse_strategies(args.strategy)
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    return args
+
+
+def check_sizes(args, strategy: str, world_size: int) -> None:
+    """Errors a run would otherwise hit deep inside a schedule, named up front."""
+    layout = layout_of(strategy, world_size)
+    if strategy.startswith("pp-"):
+        v = 2 if strategy == "pp-interleaved" else 1
+        if args.layers < layout.pp * v:
+            raise ValueError(f"{strategy}: {args.layers} layers cannot fill {layout.pp * v} stages")
+        if args.batch % args.microbatches:
+            raise ValueError(f"{strategy}: --batch {args.batch} is not divisible by --microbatches {args.microbatches}")
+        if v > 1 and args.microbatches % layout.pp:
+            raise ValueError(f"{strategy}: interleaved 1F1B needs --microbatches ({args.microbatches}) to be a "
+                             f"multiple of pp ({layout.pp})")
+
+
+def init_distributed(args) -> BenchContext:
+    """torch.distributed first (torch's runners need it), then pynccl on the same store."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("train_bench: --device cuda needs GPUs (use --device cpu for a gloo run)")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        # CPU tensors (the harness's timings and losses) go over gloo, CUDA tensors over NCCL.
+        tdist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+        pynccl.init_process_group("nccl", device_id=local_rank)
+    else:
+        device = torch.device("cpu")
+        tdist.init_process_group("gloo")
+        pynccl.init_process_group("gloo")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    return BenchContext(args, device, world_size, rank, dtype)
+
+
+def header(ctx: BenchContext) -> dict:
+    import transformers
+    args = ctx.args
+    try:
+        nccl = ".".join(map(str, pynccl.nccl_version().runtime))
+    except Exception as e:  # noqa: BLE001 - the extension may be missing on a CPU-only checkout
+        nccl = f"n/a ({type(e).__name__})"
+    gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    sizes = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq")}
+    return dict(torch=torch.__version__, transformers=transformers.__version__, nccl_runtime=nccl,
+                torch_nccl=torch_runners.torch_nccl_version(), device=gpu, world_size=ctx.world_size,
+                model=args.model, params=num_params(hf_config(args)), batch=args.batch, steps=args.steps,
+                warmup=args.warmup, microbatches=args.microbatches, dtype=args.dtype, optim=args.optim_impl,
+                zero12_optim=args.optim_impl if args.zero12_optim_impl == "same" else args.zero12_optim_impl, **sizes)
+
+
+def print_header(h: dict) -> None:
+    print(f"# train_bench: {h['model']} {h['params'] / 1e6:.4g}M params (hidden {h['hidden']}, {h['layers']} layers, "
+          f"{h['heads']} heads, kv {h['kv_heads']}, ffn {h['intermediate']}, vocab {h['vocab']}), seq {h['seq']}, "
+          f"batch {h['batch']}/replica, {h['dtype']}, AdamW {h['optim']}, {h['warmup']}+{h['steps']} steps")
+    print(f"# {h['world_size']} × {h['device']}; torch {h['torch']} (NCCL {h['torch_nccl']}), pynccl NCCL runtime "
+          f"{h['nccl_runtime']}, transformers {h['transformers']}")
+
+
+def run_one(ctx: BenchContext, strategy: str, impl: str) -> dict:
+    layout = layout_of(strategy, ctx.world_size)
+    row = dict(strategy=strategy, impl=impl, runs=report.runs_as(strategy, impl), layout=str(layout))
+    trainer = None
+    try:
+        check_sizes(ctx.args, strategy, ctx.world_size)
+        trainer = RUNNERS[impl](strategy, ctx)
+        free_device_memory(ctx)            # what the build left behind (a whole model before sharding)
+        row.update(measure(trainer, ctx, ctx.args.batch * ctx.args.seq * layout.dp))
+    except Exception as e:  # noqa: BLE001 - a failing pair must not stop the others
+        if ctx.rank == 0:
+            traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    del trainer
+    free_device_memory(ctx)
+    return row
+
+
+def worker(rank, world_size, args):
+    ctx = init_distributed(args)
+    impls = report.IMPLS if args.impl == "both" else (args.impl,)
+    h = header(ctx)
+    if ctx.rank == 0:
+        print_header(h)
+        print(report.HEADER, flush=True)
+    rows = []
+    for strategy in args.strategies:
+        for impl in impls:
+            rows.append(run_one(ctx, strategy, impl))
+            if ctx.rank == 0:
+                print(report.format_row(rows[-1]), flush=True)
+    report.add_ratios(rows)
+    if ctx.rank == 0:
+        print("\n# summary (ms vs torch: pynccl's median step time over torch's)")
+        report.print_table(rows)
+        if args.json:
+            report.write_json(args.json, h, rows)
+        if args.plot:
+            report.plot(args.plot, f"{h['model']} {h['params'] / 1e6:.4g}M, {h['world_size']} × {h['device']}, "
+                        f"{h['dtype']}", rows)
+    tdist.barrier()
+    pynccl.destroy_process_group()
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    preload()
+    if "RANK" in os.environ:                      # torchrun
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        return
+    from pynccl.testing import run_multiprocess
+    run_multiprocess(worker, args.nproc, backend=None, timeout=3600, args=(args,),
+                     start_method="spawn" if args.device == "cuda" else None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""One table from every train_bench JSON in a directory (what run_train_bench.sh leaves), and the
+verdict: exit 1 if a row failed, or if a pair's losses after the last step differ by more than
+--loss-rtol (bf16 noise after a few steps is well under 1 %; a pair that does not train alike is
+far over).
+
+    python benchmarks/train_bench_summary.py OUTDIR
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_bench_lib import report  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("outdir")
+    p.add_argument("--loss-rtol", type=float, default=0.02)
+    args = p.parse_args(argv)
+    paths = sorted(glob.glob(os.path.join(args.outdir, "*.json")))
+    if not paths:
+        print(f"train_bench_summary: no JSON in {args.outdir}")
+        return 1
+    problems = []
+    print(f"{'run':<22}" + report.HEADER)
+    for path in paths:
+        run = os.path.splitext(os.path.basename(path))[0]
+        with open(path) as f:
+            result = json.load(f)
+        rows = result["rows"]
+        for r in rows:
+            r.setdefault("peak_gib", float("nan"))
+            if r["peak_gib"] is None:
+                r["peak_gib"] = float("nan")
+            print(f"{run:<22}" + report.format_row(r))
+            if r.get("error"):
+                problems.append(f"{run}: {r['strategy']} {r['impl']} failed: {r['error']}")
+        final = {(r["strategy"], r["impl"]): r.get("loss") for r in rows if not r.get("error")}
+        for (strategy, impl), loss in final.items():
+            theirs = final.get((strategy, "torch"))
+            if impl == "pynccl" and theirs is not None and abs(loss - theirs) > args.loss_rtol * abs(theirs):
+                problems.append(f"{run}: {strategy}: loss {loss:.4f} (pynccl) vs {theirs:.4f} (torch), "
+                                f"more than {args.loss_rtol:.0%} apart")
+    print(f"# {result['world_size']} × {result['device']}, torch {result['torch']} (NCCL {result['torch_nccl']}), "
+          f"pynccl NCCL runtime {result['nccl_runtime']}, transformers {result['transformers']} (last file's header)")
+    for line in problems:
+        print("PROBLEM:", line)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
