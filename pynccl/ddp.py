@@ -1,7 +1,7 @@
 """pynccl.DistributedDataParallel: torch DDP's constructor and behaviour, swapped in with one import.
 
-Why it is faster: each bucket's gradients are packed by one fused launch (the 1/world_size scale
-folded in), reduced by one collective that starts the moment the bucket is full, on the
+Why it is faster: each bucket's gradients are packed by one fused launch (with a built-in hook,
+the 1/world_size scale folded in), reduced by one collective that starts the moment the bucket is full, on the
 communicator's stream while backward goes on, and unpacked by one launch at the end of backward,
 which only makes the current stream wait (Work.wait(): no host sync). On CUDA the pack runs on a
 side stream, so it too overlaps the rest of backward, and with a built-in hook a bucket's pack and
@@ -64,7 +64,7 @@ def _to_device(obj, device: torch.device):
 class DistributedDataParallel(nn.Module):
     """Data parallelism over a pynccl group; torch.nn.parallel.DistributedDataParallel's arguments.
 
-    Comm hooks see buckets already divided by world size (see comm_hooks.py). `dim` and
+    Comm hooks see buckets as torch's do, not divided by world size (see comm_hooks.py). `dim` and
     `output_device` are kept for compatibility: single-device modules only, as torch today.
     """
 
@@ -171,5 +171,6 @@ class DistributedDataParallel(nn.Module):
 
     def register_comm_hook(self, state, hook) -> None:
         """hook(state, GradBucket) -> object whose wait() returns the reduced flat gradient;
-        see comm_hooks.py (buckets arrive already divided by world size). Once, before training."""
+        torch's semantics: the bucket is not divided by world size, the hook averages (torch's own
+        hooks run unchanged; see comm_hooks.py). Once, before training."""
         self.reducer.register_comm_hook(state, hook)

@@ -1,7 +1,9 @@
-"""DDP's reduction of gradient buckets: pack (1/N fused) -> comm hook -> unpack, plus unused
+"""DDP's reduction of gradient buckets: pack -> comm hook -> unpack, plus unused
 parameters, the one-time bucket rebuild in gradient-ready order, and the broadcasts of module
 state from rank 0. Policy only: when a bucket is ready is grad_buckets.py's business, how bytes
-move is the Backend's (pack/unpack are one CUDA kernel on nccl, torch ops on gloo).
+move is the Backend's (pack/unpack are one CUDA kernel on nccl, torch ops on gloo). A user's hook gets the
+bucket as torch's does (not divided: torch's hooks average themselves); a built-in hook runs fused,
+its 1/N folded into the pack (comm_hooks.BUILTIN_HOOKS).
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ class Reducer:
                  static_graph: bool):
         self.group = group
         self.backend = group.backend
-        self.scale = 1.0 / group.world_size
+        self.scale = 1.0 / group.world_size      # the pack's scale; _setup_buckets sets it per hook
         self.find_unused = find_unused
         self.grad_as_view = grad_as_view
         self.static_graph = static_graph
@@ -121,6 +123,10 @@ class Reducer:
 
     # ------------------------------------------------------------------ buckets
     def _setup_buckets(self) -> None:
+        # NOTE: torch's semantics: a user's hook averages the bucket itself, so only a built-in
+        # hook gets the 1/N folded into the pack (over the group it reduces over, as torch's does).
+        self.builtin_hook = self.hook in comm_hooks.BUILTIN_HOOKS
+        self.scale = 1.0 / comm_hooks.hook_world_size(self.hook_state) if self.builtin_hook else 1.0
         wire_dtype = getattr(self.hook, "wire_dtype", None)
         last = len(self.bucketer.buckets) - 1
         for b in self.bucketer.buckets:
@@ -135,7 +141,7 @@ class Reducer:
         """The C++ communicator when a bucket's pack and hook may run as one
         `Communicator.reduce_bucket` call: CUDA, a built-in SUM hook, over an NCCL group.
         Otherwise (gloo, a user's hook) the hook is called from Python."""
-        if self.pack_stream is None or not self._allow_fused or self.hook not in comm_hooks.SUM_HOOKS:
+        if self.pack_stream is None or not self._allow_fused or not self.builtin_hook:
             return None
         try:
             backend = _group(self.hook_state).backend
@@ -222,6 +228,8 @@ class Reducer:
                 wire.mul_(self.scale)
         else:
             self.backend.pack(sources, wire, self.scale)
+        if self.builtin_hook:                    # already scaled by 1/N and cast: only the SUM is left
+            return comm_hooks.sum_all_reduce(self.hook_state, wire)
         return self.hook(self.hook_state, b.extra["grad_bucket"])
 
     @torch.no_grad()
