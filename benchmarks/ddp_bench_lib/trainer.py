@@ -54,7 +54,8 @@ class Trainer:
         grad_view = mode.endswith(VIEW)
         cuda = device.type == "cuda"
         device_ids = [device.index] if cuda else None
-        model = MODELS[args.model].build().to(device)
+        with torch.device(device):                # initialised on the GPU: seconds less per mode for 355M
+            model = MODELS[args.model].build()
         self.num_params = sum(p.numel() for p in model.parameters())
         self.device = device
         self.ddp = None
