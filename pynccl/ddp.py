@@ -26,6 +26,7 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from . import distributed as dist
+from .ddp_join import Join
 from .ddp_reducer import Reducer, broadcast_from_rank0, coalesced_broadcaster
 from .grad_buckets import MiB
 from .sync_batchnorm import SyncBatchNorm
@@ -114,6 +115,7 @@ class DistributedDataParallel(nn.Module):
         # NOTE: all of the module's state (parameters and buffers) comes from rank 0, as in torch.
         broadcast_from_rank0(group.backend, [p.detach() for p in module.parameters()] + self._module_buffers)
         self._buffer_broadcast = None
+        self._join = None                    # the active join() context (ddp_join.py), if any
         self.reducer = Reducer(named_params, group, int(bucket_cap_mb * MiB), find_unused_parameters,
                                gradient_as_bucket_view, static_graph)
 
@@ -141,12 +143,16 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs, **kwargs):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        sync_buffers = bool(self.broadcast_buffers and self.require_forward_param_sync and self._module_buffers)
+        join = self._join
+        if join is not None:                 # NOTE: before any other collective of this iteration
+            join.notify(sync, sync_buffers)
         if sync:
             self.reducer.prepare_for_forward()
-        if self.broadcast_buffers and self.require_forward_param_sync and self._module_buffers:
-            if self._buffer_broadcast is None:
-                self._buffer_broadcast = coalesced_broadcaster(self._module_buffers)
-            self._buffer_broadcast(self.process_group.backend)
+            if join is not None:
+                join.after_prepare()
+        if sync_buffers:
+            self._broadcast_buffers(join.buffer_src if join is not None else 0)
         if self.device_ids is not None:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         output = self.module(*inputs, **kwargs)
@@ -157,6 +163,18 @@ class DistributedDataParallel(nn.Module):
             self.require_forward_param_sync = False
             self.reducer.bucketer.disarm()
         return output
+
+    def _broadcast_buffers(self, src: int) -> None:
+        if self._buffer_broadcast is None:
+            self._buffer_broadcast = coalesced_broadcaster(self._module_buffers)
+        self._buffer_broadcast(self.process_group.backend, src)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs across ranks (torch's DDP.join): a rank whose loop
+        ended takes part, with zero gradients, in the others' collectives until all are done, then
+        every rank gets the last joiner's parameters. See ddp_join.py."""
+        return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -7,6 +7,7 @@ its 1/N folded into the pack (comm_hooks.BUILTIN_HOOKS).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, List, Sequence
 
 import torch
@@ -20,8 +21,8 @@ _BROADCAST_CAP_BYTES = 250 * MiB
 
 
 def coalesced_broadcaster(tensors: Sequence[torch.Tensor]) -> Callable:
-    """A function backend -> None that broadcasts `tensors` in place from group rank 0: one
-    collective per dtype group (up to 250 MiB each) into buffers allocated here, once."""
+    """A function (backend, src=0) -> None that broadcasts `tensors` in place from group rank
+    `src`: one collective per dtype group (up to 250 MiB each) into buffers allocated here, once."""
     groups = []
     for idxs in assign_buckets(tensors, _BROADCAST_CAP_BYTES, _BROADCAST_CAP_BYTES):
         ts = [tensors[i] for i in idxs]
@@ -29,12 +30,12 @@ def coalesced_broadcaster(tensors: Sequence[torch.Tensor]) -> Callable:
         groups.append((ts, flat))
 
     @torch.no_grad()
-    def broadcast(backend) -> None:
+    def broadcast(backend, src: int = 0) -> None:
         for ts, flat in groups:
-            if backend.rank == 0:
+            if backend.rank == src:
                 backend.pack(ts, flat, 1.0)
-            backend.broadcast(flat, 0)
-            if backend.rank != 0:
+            backend.broadcast(flat, src)
+            if backend.rank != src:
                 backend.unpack(flat, ts, 1.0)
     return broadcast
 
@@ -77,6 +78,13 @@ def params_reached(output) -> set:
     return reached
 
 
+def _deregister(registrations: list) -> None:
+    """Drops NCCL registrations of bucket buffers (in place; a destroyed communicator's are gone)."""
+    while registrations:
+        comm, handle = registrations.pop()
+        comm.deregister_buffer(handle)
+
+
 class Reducer:
     """Owns the bucketer of a DDP module and what happens to a ready bucket."""
 
@@ -108,6 +116,9 @@ class Reducer:
         # The communicator that runs a whole bucket in one C++ call (see _fused_comm), or None.
         self.fused_comm = None
         self._allow_fused = True
+        self._register_buffers = False
+        self._registrations: list = []                    # (communicator, handle) of registered buckets
+        weakref.finalize(self, _deregister, self._registrations)
         self._setup_buckets()
 
     @property
@@ -120,6 +131,26 @@ class Reducer:
     def allow_fused(self, enabled: bool) -> None:
         self._allow_fused = bool(enabled)
         self.fused_comm = self._fused_comm()
+        self._update_registrations()
+
+    @property
+    def register_buffers(self) -> bool:
+        """Whether each bucket's wire buffer is registered with NCCL (ncclCommRegister, NCCL >=
+        2.19) so that its all-reduce may skip NCCL's staging copies. Off by default: an A/B of
+        issue 19 (ddp_bench --levers register). Redone eagerly whenever buckets are (re)built,
+        so set it before capturing a step; applies to the one-call CUDA path only."""
+        return self._register_buffers
+
+    @register_buffers.setter
+    def register_buffers(self, enabled: bool) -> None:
+        self._register_buffers = bool(enabled)
+        self._update_registrations()
+
+    def _update_registrations(self) -> None:
+        _deregister(self._registrations)
+        comm = self.fused_comm
+        if self._register_buffers and comm is not None and hasattr(comm, "register_buffer"):
+            self._registrations.extend((comm, comm.register_buffer(b.extra["wire"])) for b in self.bucketer.buckets)
 
     # ------------------------------------------------------------------ buckets
     def _setup_buckets(self) -> None:
@@ -136,6 +167,7 @@ class Reducer:
             b.extra["wire"] = wire
             b.extra["grad_bucket"] = comm_hooks.GradBucket(b.index, wire, b.params, b.index == last)
         self.fused_comm = self._fused_comm()
+        self._update_registrations()
 
     def _fused_comm(self):
         """The C++ communicator when a bucket's pack and hook may run as one
@@ -163,7 +195,9 @@ class Reducer:
     def _rebuild_buckets(self) -> None:
         """Once, after the first iteration: re-bucket in the order gradients became ready.
         Rank 0's order is broadcast so that every rank builds the same buckets."""
-        order = torch.tensor(self.bucketer.ready_order, dtype=torch.int64, device=self.device)
+        # A rank that joined (ddp_join.py) before its first step has no order: the current one serves.
+        order = self.bucketer.ready_order or [i for b in self.bucketer.buckets for i in b.param_indices]
+        order = torch.tensor(order, dtype=torch.int64, device=self.device)
         self.backend.broadcast(order, 0)
         self.bucketer.rebuild(order.tolist())
         self._setup_buckets()
@@ -176,10 +210,14 @@ class Reducer:
         self.rebuilt = True
 
     # ------------------------------------------------------------------ iteration
+    def will_rebuild(self) -> bool:
+        """Whether the next synced forward rebuilds the buckets (a broadcast from rank 0)."""
+        may_rebuild = self.static_graph or not self.find_unused
+        return may_rebuild and not self.rebuilt and bool(self.bucketer.ready_order)
+
     def prepare_for_forward(self) -> None:
         self.bucketer.check_prior_backward_finished()
-        may_rebuild = self.static_graph or not self.find_unused
-        if may_rebuild and not self.rebuilt and self.bucketer.ready_order:
+        if self.will_rebuild():
             self._rebuild_buckets()
 
     def prepare_for_backward(self, output) -> None:
@@ -252,6 +290,29 @@ class Reducer:
         else:
             handle = self._reduce(b, sources)
         self.pending.append((b, handle, sources))        # sources: alive until the streams join
+
+    def set_divisor(self, divisor=None) -> None:
+        """A built-in hook divides by `divisor` instead of its group's size (join() with
+        divide_by_initial_world_size=False; a user's hook divides as it likes); None restores it."""
+        if self.builtin_hook:
+            self.scale = 1.0 / (divisor or comm_hooks.hook_world_size(self.hook_state))
+
+    @torch.no_grad()
+    def reduce_zeros(self) -> None:
+        """A joined rank's part in one backward of the ranks still training (ddp_join.py): each
+        bucket's reduction, of zeros, through the same hook and in the same order, then the
+        used-map all-reduce where they run one (_globally_unused)."""
+        handles, last = [], len(self.bucketer.buckets) - 1
+        for b in self.bucketer.buckets:
+            zeros = torch.zeros_like(b.extra["wire"])
+            if self.builtin_hook:
+                handles.append(comm_hooks.sum_all_reduce(self.hook_state, zeros))
+            else:
+                handles.append(self.hook(self.hook_state, comm_hooks.GradBucket(b.index, zeros, b.params, b.index == last)))
+        if self.static_unused is None and (self.find_unused or self.static_graph):
+            self.backend.all_reduce(torch.zeros(len(self.params), dtype=torch.int32, device=self.device), ReduceOp.SUM)
+        for h in handles:
+            h.wait()
 
     def _globally_unused(self) -> set:
         """Indices of parameters no rank used since the last reduction (their grads stay as they
