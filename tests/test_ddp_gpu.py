@@ -1,6 +1,8 @@
 """pynccl DDP on NCCL: equal to torch DDP (on torch's own NCCL group) at world size 1 on one GPU
 and at world size 2+ where there are several GPUs; a whole training step (forward, backward,
 bucketed all-reduce, capturable AdamW) captured in a CUDA graph and replayed equals eager."""
+import os
+
 import pytest
 import torch
 import torch.distributed as tdist
@@ -129,6 +131,35 @@ def _against_torch_ddp(rank, ws):
         name = f"{kw}{' slow backward' if slow else ''}{' delayed Python hook' if delayed_hook else ' one C++ call'}"
         diffs[name] = (_max_diff(_params(ours), _params(theirs)), tol)
         assert ours.reducer.rebuilt == ("find_unused_parameters" not in kw)     # torch's rule
+
+    # Issue 19: torch's own allreduce_hook (it divides by world size itself, so the bucket must
+    # arrive undivided), bucket buffers registered with ncclCommRegister, and a communicator made
+    # with the efficiency CTA policy and at most 2 CTAs (NCCL >= 2.27): each equal to torch DDP.
+    variants = [("torch's allreduce_hook", None, lambda d: d.register_comm_hook(torch_pg, default_hooks.allreduce_hook)),
+                ("register_buffers", None, lambda d: setattr(d.reducer, "register_buffers", True))]
+    version = pynccl.nccl_version()
+    if min(version.build, version.runtime) >= (2, 27, 0):
+        env = {"PYNCCL_NCCL_CTA_POLICY": "1", "PYNCCL_NCCL_MIN_CTAS": "1", "PYNCCL_NCCL_MAX_CTAS": "2"}
+        os.environ.update(env)
+        try:
+            cta_group = pynccl.new_group()
+        finally:
+            for k in env:
+                del os.environ[k]
+        variants.append(("CTA policy efficiency, maxCTAs 2", cta_group, lambda d: None))
+    for name, group, setup in variants:
+        ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(
+            m, device_ids=[device.index], bucket_cap_mb=BUCKET_MB, process_group=group), True)
+        setup(ours)
+        theirs, opt_theirs = _build(device, lambda m: TorchDDP(m, device_ids=[device.index], process_group=torch_pg,
+                                                               bucket_cap_mb=BUCKET_MB), True)
+        for x, y in data:
+            _step(ours, opt_ours, x, y)
+            _step(theirs, opt_theirs, x, y)
+        torch.cuda.synchronize()
+        if name == "register_buffers":
+            assert len(ours.reducer._registrations) == len(ours.reducer.bucketer.buckets) > 2
+        diffs[name] = (_max_diff(_params(ours), _params(theirs)), tol)
 
     # bf16 compression: against torch DDP with torch's own bf16 hook (both sum bf16 values, in
     # orders that may differ: a few bf16 roundings apart), and against fp32 torch DDP. SGD, whose

@@ -68,10 +68,10 @@ def unavailable(lever: Lever) -> Optional[str]:
     if lever.min_nccl > (2, 18, 0) or lever.nccl_env or lever.register_buffers or lever.comm_prio0:
         if not pynccl.is_initialized() or pynccl.get_backend() != "nccl":
             return "needs the nccl backend"
-        runtime = tuple(pynccl.nccl_version().runtime)
-        if runtime < lever.min_nccl:
-            return (f"needs NCCL >= {'.'.join(map(str, lever.min_nccl))}, this process runs "
-                    f"{'.'.join(map(str, runtime))}")
+        version = pynccl.nccl_version()          # the headers pynccl was built with and the library loaded
+        for what, v in (("runs", tuple(version.runtime)), ("was built with", tuple(version.build))):
+            if v < lever.min_nccl:
+                return f"needs NCCL >= {'.'.join(map(str, lever.min_nccl))}, pynccl {what} {'.'.join(map(str, v))}"
     return None
 
 
