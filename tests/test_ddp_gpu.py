@@ -188,6 +188,26 @@ def _against_torch_ddp(rank, ws):
     return diffs
 
 
+def _join_against_torch(rank, ws):
+    """Uneven inputs on NCCL (rank r has r + 1 batches): `with ddp.join():` ends where torch DDP's
+    join ends on the same data, with the default divisor and with divide_by_initial_world_size=False."""
+    device = pynccl.get_device()
+    torch_pg = tdist.new_group(backend="nccl")
+    data = _data(rank, ws, device, steps=ws + 1, seed=3)[:rank + 1]
+    for join_kw in (dict(), dict(divide_by_initial_world_size=False)):
+        ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(
+            m, device_ids=[device.index], bucket_cap_mb=BUCKET_MB), True)
+        theirs, opt_theirs = _build(device, lambda m: TorchDDP(m, device_ids=[device.index], process_group=torch_pg,
+                                                               bucket_cap_mb=BUCKET_MB), True)
+        for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            with model.join(**join_kw):
+                for x, y in data:
+                    _step(model, opt, x, y)
+        torch.cuda.synchronize()
+        _assert_close(_params(ours), _params(theirs), f"join {join_kw} vs torch DDP's join", 1e-5)
+    return True
+
+
 def _torch_nccl_first(rank, ws):
     """The script initialised torch.distributed (nccl) only: DDP bootstraps pynccl's NCCL
     communicator from it; equal to torch DDP on that default group."""
@@ -286,3 +306,10 @@ def test_ddp_nccl_multi_gpu_equals_torch_ddp():
 def test_ddp_cuda_graph_multi_gpu():
     n = min(torch.cuda.device_count(), 4)
     assert run_multiprocess(_graph_cases, n, backend="nccl", start_method="spawn", timeout=300) == [True] * n
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_ddp_join_uneven_inputs_multi_gpu():
+    n = min(torch.cuda.device_count(), 4)
+    assert run_multiprocess(_join_against_torch, n, backend="nccl", start_method="spawn", timeout=300) == [True] * n
