@@ -37,10 +37,12 @@ if ! $PY -c "import pynccl._ext as e; assert hasattr(e.require_extension('x').Co
     >/dev/null 2>&1; then
   step build 150 $PY -m pip install --no-build-isolation --no-deps -e .
 fi
+# --phases: GPU time of forward / backward / optimizer per mode (a longer backward with no idle GPU
+# means NCCL takes SMs or bandwidth from it, rather than exposed transfer time).
 # Levers per run: the 4-GPU nanoGPT run takes the default set (ddp_bench_lib/levers.py), the others
 # the NCCL-side ones that most likely pay; --budget-s stops starting levers once it is spent.
-bench nano_${N}gpu 95 "$N" --model nanogpt-124m --steps 6 --repeats 3 --warmup 3 --levers --budget-s 50
-bench medium_${N}gpu 95 "$N" --model hf-gpt2-medium --steps 5 --repeats 3 --warmup 2 --no-diagnostics \
+bench nano_${N}gpu 95 "$N" --model nanogpt-124m --steps 6 --repeats 3 --warmup 3 --phases 10 --levers --budget-s 50
+bench medium_${N}gpu 95 "$N" --model hf-gpt2-medium --steps 5 --repeats 3 --warmup 2 --phases 10 --no-diagnostics \
   --levers cta-efficiency max-ctas-8 register grad-view --budget-s 35
 bench nano_2gpu 65 2 --model nanogpt-124m --steps 6 --repeats 3 --warmup 3 --no-diagnostics \
   --levers cta-efficiency max-ctas-8 register --budget-s 20
