@@ -1,9 +1,9 @@
-"""DDP's reduction of gradient buckets: pack -> comm hook -> unpack, plus unused
-parameters, the one-time bucket rebuild in gradient-ready order, and the broadcasts of module
-state from rank 0. Policy only: when a bucket is ready is grad_buckets.py's business, how bytes
-move is the Backend's (pack/unpack are one CUDA kernel on nccl, torch ops on gloo). A user's hook gets the
-bucket as torch's does (not divided: torch's hooks average themselves); a built-in hook runs fused,
-its 1/N folded into the pack (comm_hooks.BUILTIN_HOOKS).
+"""DDP's reduction of gradient buckets: pack -> comm hook -> unpack, plus unused parameters, the
+one-time bucket rebuild in gradient-ready order, and the broadcasts of module state from rank 0.
+Policy only: when a bucket is ready is grad_buckets.py's business, how bytes move is the Backend's
+(pack/unpack are one CUDA kernel on nccl, torch ops on gloo). A user's hook gets the bucket as
+torch's does (not divided: torch's hooks average themselves); a built-in hook runs fused, its 1/N
+folded into the pack (comm_hooks.BUILTIN_HOOKS).
 """
 from __future__ import annotations
 
@@ -308,7 +308,8 @@ class Reducer:
             if self.builtin_hook:
                 handles.append(comm_hooks.sum_all_reduce(self.hook_state, zeros))
             else:
-                handles.append(self.hook(self.hook_state, comm_hooks.GradBucket(b.index, zeros, b.params, b.index == last)))
+                bucket = comm_hooks.GradBucket(b.index, zeros, b.params, b.index == last)
+                handles.append(self.hook(self.hook_state, bucket))
         if self.static_unused is None and (self.find_unused or self.static_graph):
             self.backend.all_reduce(torch.zeros(len(self.params), dtype=torch.int32, device=self.device), ReduceOp.SUM)
         for h in handles:

@@ -279,7 +279,8 @@ def _check_hooks_against_torch(rank, ws):
             for g, e in zip(_grads(ours), _grads(theirs)):
                 d, top = (g - e).abs().max().item(), e.abs().max().item()
                 ulp = 2.0 ** (math.floor(math.log2(top)) - mantissa_bits)
-                assert d <= num_ulps * ulp, f"{name}: gradients vs torch DDP: max |diff| {d:.3g} > {num_ulps} ulps of {top:.3g}"
+                assert d <= num_ulps * ulp, \
+                    f"{name}: gradients vs torch DDP: max |diff| {d:.3g} > {num_ulps} ulps of {top:.3g}"
             for m in (ours, theirs):
                 m.zero_grad(set_to_none=True)
                 _train(m, _opt(opt_name, m.parameters()), batches, rank, ws)
