@@ -29,6 +29,8 @@ class Lever:
 LEVERS = {lv.name: lv for lv in [
     Lever("cta-efficiency", "ncclConfig_t.CTAPolicy = NCCL_CTA_POLICY_EFFICIENCY: fewer SMs for the same bandwidth",
           {"PYNCCL_NCCL_CTA_POLICY": "1"}, (2, 27, 0)),
+    # NOTE: not in the default set: copy engines move bytes but cannot add, so NCCL 2.28's
+    # copy-engine collectives (symmetric-window all-gather / all-to-all) do not cover all-reduce.
     Lever("cta-zero", "CTAPolicy = NCCL_CTA_POLICY_ZERO: copy-engine collectives where NCCL supports them "
           "(else NCCL's kernels)", {"PYNCCL_NCCL_CTA_POLICY": "2"}, (2, 28, 0)),
     Lever("max-ctas-8", "maxCTAs 8: at most 8 channels, fewer SMs taken from backward",
