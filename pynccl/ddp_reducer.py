@@ -305,7 +305,11 @@ class Reducer:
         handles, last = [], len(self.bucketer.buckets) - 1
         for b in self.bucketer.buckets:
             zeros = torch.zeros_like(b.extra["wire"])
-            if self.builtin_hook:
+            if self.fused_comm is not None:
+                # NOTE: the communicator reduce_bucket runs on elsewhere, called the same way
+                # (past the collective check, which reduce_bucket does not go through either).
+                handles.append(comm_hooks._Pending(self.fused_comm.all_reduce(zeros, ReduceOp.SUM, True), zeros))
+            elif self.builtin_hook:
                 handles.append(comm_hooks.sum_all_reduce(self.hook_state, zeros))
             else:
                 bucket = comm_hooks.GradBucket(b.index, zeros, b.params, b.index == last)
