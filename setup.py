@@ -16,6 +16,7 @@ SOURCES = [
     "csrc/bindings.cpp",
     "csrc/bucket.cpp",
     "csrc/bucket_reduce.cpp",
+    "csrc/buffer_registration.cpp",
     "csrc/collectives.cpp",
     "csrc/communicator.cpp",
     "csrc/nccl_api.cpp",

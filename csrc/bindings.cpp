@@ -221,6 +221,10 @@ PYBIND11_MODULE(_C, m) {
            "One DDP bucket in one call: pack grads into flat (x scale, cast) on pack_stream (a "
            "torch.cuda.Stream.cuda_stream handle) after the current stream, then a SUM all-reduce of flat after the "
            "pack. Returns the all-reduce's Work; its wait() orders the current stream after both.")
+      .def("register_buffer", &Communicator::register_buffer, py::arg("tensor"),
+           "ncclCommRegister of the tensor's bytes (NCCL >= 2.19; not during graph capture): returns a handle for "
+           "deregister_buffer. NCCL may then skip staging copies for collectives on that memory.")
+      .def("deregister_buffer", &Communicator::deregister_buffer, py::arg("handle"))
       .def("broadcast",
            [](Communicator& c, const at::Tensor& tensor, int root, bool async_op, py::handle output) {
              if (output.is_none()) return c.broadcast(tensor, root, async_op);

@@ -118,6 +118,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<Work> reduce_bucket(const std::vector<at::Tensor>& grads, const at::Tensor& flat, double scale,
                                       int64_t pack_stream);
 
+  // --- NCCL user-buffer registration (buffer_registration.cpp) ------------------------------
+  // ncclCommRegister of a tensor's bytes (NCCL >= 2.19): an opaque handle for deregister_buffer.
+  int64_t register_buffer(const at::Tensor& tensor);
+  void deregister_buffer(int64_t handle);  // a no-op once the communicator is aborted or destroyed
+
   // --- point-to-point and the collectives built on it (p2p.cpp) -----------------------------
   std::shared_ptr<Work> all_to_all(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
                                    bool async_op);

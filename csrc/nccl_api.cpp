@@ -32,19 +32,31 @@ static_assert(std::is_same<decltype(&ncclGather), RootedFn>::value, "ncclGather 
 static_assert(std::is_same<decltype(&ncclScatter), RootedFn>::value, "ncclScatter prototype changed");
 #endif
 
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 19, 0)
+static_assert(std::is_same<decltype(&ncclCommRegister), RegisterFn>::value, "ncclCommRegister prototype changed");
+static_assert(std::is_same<decltype(&ncclCommDeregister), DeregisterFn>::value, "ncclCommDeregister prototype changed");
+#endif
+
 const OptionalNcclApi& optional_nccl_api() {
   static const OptionalNcclApi api = [] {
     OptionalNcclApi out;
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
-    if (nccl_runtime_version() < kNativeAlltoAllVersion) return out;
     Dl_info info{};
     if (dladdr(reinterpret_cast<void*>(&ncclGetVersion), &info) == 0 || info.dli_fname == nullptr) return out;
     // NOTE: RTLD_NOLOAD: only a handle to the library already mapped, never a second copy.
     void* lib = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
     if (lib == nullptr) return out;
-    out.alltoall = reinterpret_cast<AlltoAllFn>(dlsym(lib, "ncclAlltoAll"));
-    out.gather = reinterpret_cast<RootedFn>(dlsym(lib, "ncclGather"));
-    out.scatter = reinterpret_cast<RootedFn>(dlsym(lib, "ncclScatter"));
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 19, 0)
+    if (nccl_runtime_version() >= kRegisterVersion) {
+      out.comm_register = reinterpret_cast<RegisterFn>(dlsym(lib, "ncclCommRegister"));
+      out.comm_deregister = reinterpret_cast<DeregisterFn>(dlsym(lib, "ncclCommDeregister"));
+    }
+#endif
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    if (nccl_runtime_version() >= kNativeAlltoAllVersion) {
+      out.alltoall = reinterpret_cast<AlltoAllFn>(dlsym(lib, "ncclAlltoAll"));
+      out.gather = reinterpret_cast<RootedFn>(dlsym(lib, "ncclGather"));
+      out.scatter = reinterpret_cast<RootedFn>(dlsym(lib, "ncclScatter"));
+    }
 #endif
     return out;
   }();

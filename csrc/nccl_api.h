@@ -20,6 +20,8 @@ constexpr int nccl_version_code(int major, int minor, int patch) {
 constexpr int kMinRuntimeVersion = nccl_version_code(2, 18, 0);
 constexpr int kFp8Version = nccl_version_code(2, 24, 0);
 constexpr int kNativeAlltoAllVersion = nccl_version_code(2, 28, 0);
+constexpr int kRegisterVersion = nccl_version_code(2, 19, 0);    // ncclCommRegister / ncclCommDeregister
+constexpr int kCtaPolicyVersion = nccl_version_code(2, 27, 0);   // ncclConfig_t.CTAPolicy
 
 // ncclGetVersion of the loaded library (cached; throws pynccl::Error if it fails).
 int nccl_runtime_version();
@@ -30,12 +32,16 @@ using AlltoAllFn = ncclResult_t (*)(const void* sendbuff, void* recvbuff, size_t
                                     ncclComm_t comm, cudaStream_t stream);
 using RootedFn = ncclResult_t (*)(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                                   int root, ncclComm_t comm, cudaStream_t stream);
+using RegisterFn = ncclResult_t (*)(const ncclComm_t comm, void* buff, size_t size, void** handle);
+using DeregisterFn = ncclResult_t (*)(const ncclComm_t comm, void* handle);
 
-// Entry points of NCCL >= 2.28, or nullptr where the headers or the loaded library lack them.
+// Entry points newer than our floor, or nullptr where the headers or the loaded library lack them.
 struct OptionalNcclApi {
   AlltoAllFn alltoall = nullptr;  // ncclAlltoAll
   RootedFn gather = nullptr;      // ncclGather
   RootedFn scatter = nullptr;     // ncclScatter
+  RegisterFn comm_register = nullptr;      // ncclCommRegister (NCCL >= 2.19)
+  DeregisterFn comm_deregister = nullptr;  // ncclCommDeregister
 };
 const OptionalNcclApi& optional_nccl_api();
 

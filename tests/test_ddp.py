@@ -4,6 +4,7 @@ no_sync accumulation, checkpointing, bucket views, comm hooks, errors; SyncBatch
 BatchNorm on the full batch; DistributedSampler; the example under torchrun. One process launch
 per world size runs every check (process start costs seconds on two cores)."""
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -225,26 +226,78 @@ def _check_unused(rank, ws):
     ddp(x)
 
 
-def _check_hooks_and_errors(rank, ws):
+def _grads(model):
+    return [p.grad for p in getattr(model, "module", model).parameters() if p.requires_grad]
+
+
+def _check_hooks_against_torch(rank, ws):
+    """Torch's semantics for comm hooks: a bucket reaches the hook NOT divided by world size, so
+    torch's own stock hooks (which divide themselves) run unchanged, and pynccl's built-in hooks
+    (fused: 1/N in the pack) give what torch's give. Each pynccl DDP + hook is compared with torch
+    DDP + torch's same hook on the same data: gradients after one backward, then parameters after
+    5 steps of SGD and of AdamW. A bucket pre-divided by N would be off by a factor of N."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     batches = _batches((4 * ws, 8), (4 * ws, 8), seed=5)
     ref = _mlp()
     _train(ref, _opt("sgd", ref.parameters()), batches, 0, 1)
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    # 5 SGD steps of lr 0.05 with gradients rounded to bf16 (8-bit mantissa) / fp16 (11-bit) on the
-    # wire stay within these of fp32 and of torch DDP with torch's own compression hook (measured:
-    # at most 5.4e-5 for bf16 and 1.2e-5 for fp16 at world sizes 2 and 3).
-    for name, dtype, tol in (("bf16", torch.bfloat16, 2e-4), ("fp16", torch.float16, 5e-5)):
-        ours = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB)
-        ours.register_comm_hook(None, getattr(comm_hooks, f"{name}_compress_hook"))
-        theirs = TorchDDP(_mlp())
-        theirs.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
-        for m in (ours, theirs):
-            _train(m, _opt("sgd", m.parameters()), batches, rank, ws)
-        assert ours.reducer.bucketer.buckets[0].extra["wire"].dtype == dtype
-        _assert_params_close(ours.module.parameters(), ref.parameters(), f"{name} hook vs fp32 full batch", tol)
-        _assert_params_close(ours.module.parameters(), theirs.module.parameters(), f"{name} hook vs torch", tol)
+    x, y = batches[0][0].chunk(ws)[rank], batches[0][1].chunk(ws)[rank]
 
-    # A custom hook: sees the pre-divided bucket, may return a new tensor.
+    def psgd_state():
+        # One bucket each side (default caps): the same tensors in the same order share one seed.
+        return powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                           min_compression_rate=0.5, random_seed=0)
+
+    # (name, pynccl hook, torch hook, gradient tolerance in ulps of the largest gradient of each
+    # tensor in (the wire's mantissa bits, ulps), parameter tolerance after 5 steps).
+    # fp32: the same sums up to fp32 rounding. fp16/bf16: the bucket layouts differ (torch keeps
+    # registration order inside a bucket), so gloo adds the 3 ranks' wire values in another order
+    # (2 ulps); pynccl's fused hooks also scale before the cast, torch's after it (4 ulps).
+    # Measured after 5 steps: <= 1.2e-5 fp16 and 5.4e-5 bf16. A factor of N is far outside all.
+    fp32, fp16, bf16 = (23, 8), 10, 7
+    cases = [("torch allreduce_hook", default_hooks.allreduce_hook, default_hooks.allreduce_hook, fp32, 1e-6),
+             ("torch fp16_compress_hook", default_hooks.fp16_compress_hook, default_hooks.fp16_compress_hook,
+              (fp16, 2), 5e-5),
+             ("torch bf16_compress_hook", default_hooks.bf16_compress_hook, default_hooks.bf16_compress_hook,
+              (bf16, 2), 2e-4),
+             ("pynccl allreduce_hook", comm_hooks.allreduce_hook, None, fp32, 1e-6),
+             ("pynccl fp16_compress_hook", comm_hooks.fp16_compress_hook, default_hooks.fp16_compress_hook,
+              (fp16, 4), 5e-5),
+             ("pynccl bf16_compress_hook", comm_hooks.bf16_compress_hook, default_hooks.bf16_compress_hook,
+              (bf16, 4), 2e-4),
+             ("torch powerSGD_hook", powerSGD_hook.powerSGD_hook, powerSGD_hook.powerSGD_hook, fp32, 1e-5)]
+    for name, our_hook, their_hook, (mantissa_bits, num_ulps), tol in cases:
+        stateful = their_hook is powerSGD_hook.powerSGD_hook
+        for opt_name in ("sgd", "adamw"):
+            # PowerSGD: one bucket each side (default caps), whose matrices share one seed.
+            ours = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=None if stateful else TINY_BUCKETS_MB)
+            ours.register_comm_hook(psgd_state() if stateful else None, our_hook)
+            theirs = TorchDDP(_mlp())
+            if their_hook is not None:
+                theirs.register_comm_hook(psgd_state() if stateful else None, their_hook)
+            for m in (ours, theirs):
+                ((m(x) - y) ** 2).mean().backward()
+            for g, e in zip(_grads(ours), _grads(theirs)):
+                d, top = (g - e).abs().max().item(), e.abs().max().item()
+                ulp = 2.0 ** (math.floor(math.log2(top)) - mantissa_bits)
+                assert d <= num_ulps * ulp, \
+                    f"{name}: gradients vs torch DDP: max |diff| {d:.3g} > {num_ulps} ulps of {top:.3g}"
+            for m in (ours, theirs):
+                m.zero_grad(set_to_none=True)
+                _train(m, _opt(opt_name, m.parameters()), batches, rank, ws)
+            _assert_params_close(ours.module.parameters(), theirs.module.parameters(),
+                                 f"{name}: {opt_name} parameters vs torch DDP", tol)
+            if opt_name == "sgd" and "compress" in name:   # the compression is real, and close to fp32
+                _assert_params_close(ours.module.parameters(), ref.parameters(), f"{name} vs fp32 full batch", tol)
+                assert _max_diff(ours.module.parameters(), ref.parameters()) > 0, name
+    ours = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB)
+    ours.register_comm_hook(None, comm_hooks.bf16_compress_hook)
+    assert ours.reducer.bucketer.buckets[0].extra["wire"].dtype == torch.bfloat16   # the fused cast
+
+
+def _check_hooks_and_errors(rank, ws):
+    _check_hooks_against_torch(rank, ws)
+
+    # A custom hook: sees the bucket not divided by world size (torch's semantics), may return a new tensor.
     seen = []
 
     def double_hook(state, bucket):
@@ -260,10 +313,10 @@ def _check_hooks_and_errors(rank, ws):
     x = torch.randn(2 * ws, 8, generator=torch.Generator().manual_seed(9))
     ddp(x.chunk(ws)[rank]).sum().backward()
     plain = _mlp()
-    plain(x).sum().backward()            # sum over the full batch = ws * mean of per-rank sums
+    plain(x).sum().backward()            # sum over the full batch = the SUM of the per-rank sums
     for p, q in zip(ddp.module.parameters(), plain.parameters()):
         if q.grad is not None:
-            torch.testing.assert_close(p.grad, 2 * q.grad / ws, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(p.grad, 2 * q.grad, atol=1e-6, rtol=1e-5)
     assert [s[0] for s in seen] == list(range(len(seen))) and seen[-1][1]
     assert all(s[2] for s in seen) and seen[0][3], seen
     with pytest.raises(RuntimeError, match="only be called once"):

@@ -1,6 +1,8 @@
 """pynccl DDP on NCCL: equal to torch DDP (on torch's own NCCL group) at world size 1 on one GPU
 and at world size 2+ where there are several GPUs; a whole training step (forward, backward,
 bucketed all-reduce, capturable AdamW) captured in a CUDA graph and replayed equals eager."""
+import os
+
 import pytest
 import torch
 import torch.distributed as tdist
@@ -130,6 +132,35 @@ def _against_torch_ddp(rank, ws):
         diffs[name] = (_max_diff(_params(ours), _params(theirs)), tol)
         assert ours.reducer.rebuilt == ("find_unused_parameters" not in kw)     # torch's rule
 
+    # Issue 19: torch's own allreduce_hook (it divides by world size itself, so the bucket must
+    # arrive undivided), bucket buffers registered with ncclCommRegister, and a communicator made
+    # with the efficiency CTA policy and at most 2 CTAs (NCCL >= 2.27): each equal to torch DDP.
+    variants = [("torch's allreduce_hook", None, lambda d: d.register_comm_hook(torch_pg, default_hooks.allreduce_hook)),
+                ("register_buffers", None, lambda d: setattr(d.reducer, "register_buffers", True))]
+    version = pynccl.nccl_version()
+    if min(version.build, version.runtime) >= (2, 27, 0):
+        env = {"PYNCCL_NCCL_CTA_POLICY": "1", "PYNCCL_NCCL_MIN_CTAS": "1", "PYNCCL_NCCL_MAX_CTAS": "2"}
+        os.environ.update(env)
+        try:
+            cta_group = pynccl.new_group()
+        finally:
+            for k in env:
+                del os.environ[k]
+        variants.append(("CTA policy efficiency, maxCTAs 2", cta_group, lambda d: None))
+    for name, group, setup in variants:
+        ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(
+            m, device_ids=[device.index], bucket_cap_mb=BUCKET_MB, process_group=group), True)
+        setup(ours)
+        theirs, opt_theirs = _build(device, lambda m: TorchDDP(m, device_ids=[device.index], process_group=torch_pg,
+                                                               bucket_cap_mb=BUCKET_MB), True)
+        for x, y in data:
+            _step(ours, opt_ours, x, y)
+            _step(theirs, opt_theirs, x, y)
+        torch.cuda.synchronize()
+        if name == "register_buffers":
+            assert len(ours.reducer._registrations) == len(ours.reducer.bucketer.buckets) > 2
+        diffs[name] = (_max_diff(_params(ours), _params(theirs)), tol)
+
     # bf16 compression: against torch DDP with torch's own bf16 hook (both sum bf16 values, in
     # orders that may differ: a few bf16 roundings apart), and against fp32 torch DDP. SGD, whose
     # update is linear in the gradient (AdamW's first step is lr * sign(g): one sign flip of a
@@ -155,6 +186,26 @@ def _against_torch_ddp(rank, ws):
     with pytest.raises(ValueError, match="communicates on cuda"):
         pynccl.DistributedDataParallel(Net())                  # a CPU module on an NCCL group
     return diffs
+
+
+def _join_against_torch(rank, ws):
+    """Uneven inputs on NCCL (rank r has r + 1 batches): `with ddp.join():` ends where torch DDP's
+    join ends on the same data, with the default divisor and with divide_by_initial_world_size=False."""
+    device = pynccl.get_device()
+    torch_pg = tdist.new_group(backend="nccl")
+    data = _data(rank, ws, device, steps=ws + 1, seed=3)[:rank + 1]
+    for join_kw in (dict(), dict(divide_by_initial_world_size=False)):
+        ours, opt_ours = _build(device, lambda m: pynccl.DistributedDataParallel(
+            m, device_ids=[device.index], bucket_cap_mb=BUCKET_MB), True)
+        theirs, opt_theirs = _build(device, lambda m: TorchDDP(m, device_ids=[device.index], process_group=torch_pg,
+                                                               bucket_cap_mb=BUCKET_MB), True)
+        for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            with model.join(**join_kw):
+                for x, y in data:
+                    _step(model, opt, x, y)
+        torch.cuda.synchronize()
+        _assert_close(_params(ours), _params(theirs), f"join {join_kw} vs torch DDP's join", 1e-5)
+    return True
 
 
 def _torch_nccl_first(rank, ws):
@@ -255,3 +306,10 @@ def test_ddp_nccl_multi_gpu_equals_torch_ddp():
 def test_ddp_cuda_graph_multi_gpu():
     n = min(torch.cuda.device_count(), 4)
     assert run_multiprocess(_graph_cases, n, backend="nccl", start_method="spawn", timeout=300) == [True] * n
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_ddp_join_uneven_inputs_multi_gpu():
+    n = min(torch.cuda.device_count(), 4)
+    assert run_multiprocess(_join_against_torch, n, backend="nccl", start_method="spawn", timeout=300) == [True] * n

@@ -53,8 +53,8 @@ _BROADCAST_CAP_BYTES = 250 * MiB
 
 
 def coalesced_broadcaster(tensors: Sequence[torch.Tensor]) -> Callable:
-    """A function backend -> None that broadcasts `tensors` in place from group rank 0: one
-    collective per dtype group (up to 250 MiB each) into buffers allocated here, once."""
+    """A function (backend, src=0) -> None that broadcasts `tensors` in place from group rank
+    `src`: one collective per dtype group (up to 250 MiB each) into buffers allocated here, once."""
     groups = []
     for idxs in assign_buckets(tensors, _BROADCAST_CAP_BYTES, _BROADCAST_CAP_BYTES):
         ts = [tensors[i] for i in idxs]
@@ -62,12 +62,12 @@ def coalesced_broadcaster(tensors: Sequence[torch.Tensor]) -> Callable:
         groups.append((ts, flat))
 
     @torch.no_grad()
-    def broadcast(backend) -> None:
+    def broadcast(backend, src: int = 0) -> None:
         for ts, flat in groups:
-            if backend.rank == 0:
+            if backend.rank == src:
                 backend.pack(ts, flat, 1.0)
-            backend.broadcast(flat, 0)
-            if backend.rank != 0:
+            backend.broadcast(flat, src)
+            if backend.rank != src:
                 backend.unpack(flat, ts, 1.0)
     return broadcast
 

@@ -4,12 +4,13 @@ A hook is `hook(state, bucket: GradBucket) -> obj` where `obj.wait()` returns th
 gradient (same number of elements as `bucket.buffer()`; any floating dtype). A pynccl Work
 makes the current stream wait (no host sync), so `obj.wait()` is cheap; torch futures fit too.
 
-Two differences from torch, both for speed:
-  * `bucket.buffer()` already holds the gradients divided by world size (the 1/N scale is
-    fused into the pack kernel), so a hook only SUMs; it must not divide again.
-  * A hook may carry a `wire_dtype` attribute: DDP then packs the gradients straight into a
-    buffer of that dtype (one kernel does scale + cast) and unpacks from it (cast back), so
-    fp16/bf16 compression costs no extra launches.
+Torch's semantics: `bucket.buffer()` holds this rank's gradients, NOT divided by world size; a
+hook averages (torch's own allreduce_hook, fp16/bf16_compress_hook and PowerSGD divide by their
+group's size, and run unchanged here). The built-in hooks below do the same when called, but DDP
+recognises them (BUILTIN_HOOKS) and runs them fused instead: the 1/N scale (and the cast to
+their `wire_dtype`) folded into the one pack kernel, then a SUM all-reduce of the packed buffer.
+A user hook may carry a `wire_dtype` attribute too: DDP then packs into a buffer of that dtype
+(the cast fused into the pack; still not divided) and casts back on unpack.
 `state` is the pynccl ProcessGroup to reduce over (None: the default group), as in torch.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import List
 import torch
 
 from ..comm import distributed as dist
+from ..comm.groups import resolve_group
 from ..comm.reduce_op import ReduceOp
 
 
@@ -35,7 +37,7 @@ class GradBucket:
         return self._index
 
     def buffer(self) -> torch.Tensor:
-        """Flat gradients of this bucket, already divided by world size."""
+        """Flat gradients of this bucket, summed over this rank's backward, not yet averaged."""
         return self._buffer
 
     def is_last(self) -> bool:
@@ -68,20 +70,43 @@ class _Pending:
         return self._result
 
 
-def _sum_all_reduce(group, tensor: torch.Tensor) -> _Pending:
-    return _Pending(dist.all_reduce(tensor, ReduceOp.SUM, group=group, async_op=True), tensor)
+def sum_all_reduce(state, tensor: torch.Tensor) -> _Pending:
+    """SUM all-reduce of `tensor` in place over `state`'s group: what a built-in hook does to a
+    bucket DDP has already scaled by 1/N (and cast) in its pack kernel."""
+    return _Pending(dist.all_reduce(tensor, ReduceOp.SUM, group=state, async_op=True), tensor)
+
+
+def hook_world_size(state) -> int:
+    """The size of the group a built-in hook averages over (state None: the default group)."""
+    return resolve_group(state).world_size
 
 
 def allreduce_hook(state, bucket: GradBucket) -> _Pending:
-    """SUM all-reduce of the (pre-divided) bucket: the default."""
-    return _sum_all_reduce(state, bucket.buffer())
+    """Average over `state`'s group: divide by its size, SUM all-reduce (torch's allreduce_hook)."""
+    buf = bucket.buffer()
+    buf.div_(hook_world_size(state))
+    return sum_all_reduce(state, buf)
+
+
+class _Decompressed(_Pending):
+    """wait() casts the reduced wire buffer back into the bucket's buffer and returns that."""
+
+    __slots__ = ("_target",)
+
+    def __init__(self, work, result: torch.Tensor, target: torch.Tensor):
+        super().__init__(work, result)
+        self._target = target
+
+    def wait(self) -> torch.Tensor:
+        return self._target.copy_(super().wait())
 
 
 def _compress(state, bucket: GradBucket, dtype: torch.dtype) -> _Pending:
+    """torch's _compress_hook: cast, divide by the group's size, SUM all-reduce, cast back."""
     buf = bucket.buffer()
-    # DDP hands over a buffer already in wire_dtype; a caller that does not is still served.
-    wire = buf if buf.dtype == dtype else buf.to(dtype)
-    return _sum_all_reduce(state, wire)
+    wire = buf.to(dtype).div_(hook_world_size(state))
+    pending = sum_all_reduce(state, wire)
+    return pending if buf.dtype == dtype else _Decompressed(pending._work, wire, buf)
 
 
 def fp16_compress_hook(state, bucket: GradBucket) -> _Pending:
@@ -97,6 +122,7 @@ def bf16_compress_hook(state, bucket: GradBucket) -> _Pending:
 fp16_compress_hook.wire_dtype = torch.float16
 bf16_compress_hook.wire_dtype = torch.bfloat16
 
-# The built-in hooks: each is a SUM all-reduce of the packed (wire) buffer over `state`'s group,
-# so DDP may run pack, all-reduce and unpack of a bucket in one C++ call instead of calling them.
-SUM_HOOKS = (allreduce_hook, fp16_compress_hook, bf16_compress_hook)
+# The built-in hooks: each averages `state`'s group with a SUM all-reduce of the bucket cast to
+# its wire_dtype, so DDP runs them fused (pack with scale 1/N and cast, then sum_all_reduce; on
+# CUDA pack and all-reduce are one C++ call) instead of calling them.
+BUILTIN_HOOKS = (allreduce_hook, fp16_compress_hook, bf16_compress_hook)

@@ -1,7 +1,7 @@
 """pynccl.DistributedDataParallel: torch DDP's constructor and behaviour, swapped in with one import.
 
-Why it is faster: each bucket's gradients are packed by one fused launch (the 1/world_size scale
-folded in), reduced by one collective that starts the moment the bucket is full, on the
+Why it is faster: each bucket's gradients are packed by one fused launch (with a built-in hook,
+the 1/world_size scale folded in), reduced by one collective that starts the moment the bucket is full, on the
 communicator's stream while backward goes on, and unpacked by one launch at the end of backward,
 which only makes the current stream wait (Work.wait(): no host sync). On CUDA the pack runs on a
 side stream, so it too overlaps the rest of backward, and with a built-in hook a bucket's pack and
@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from ..comm import distributed as dist
 from ..comm.coalesced import MiB, broadcast_from_rank0, coalesced_broadcaster
+from .join import Join
 from .reducer import Reducer
 from .sync_batchnorm import SyncBatchNorm
 
@@ -64,7 +65,7 @@ def _to_device(obj, device: torch.device):
 class DistributedDataParallel(nn.Module):
     """Data parallelism over a pynccl group; torch.nn.parallel.DistributedDataParallel's arguments.
 
-    Comm hooks see buckets already divided by world size (see hooks.py). `dim` and
+    Comm hooks see buckets as torch's do, not divided by world size (see hooks.py). `dim` and
     `output_device` are kept for compatibility: single-device modules only, as torch today.
     """
 
@@ -114,6 +115,7 @@ class DistributedDataParallel(nn.Module):
         # NOTE: all of the module's state (parameters and buffers) comes from rank 0, as in torch.
         broadcast_from_rank0(group.backend, [p.detach() for p in module.parameters()] + self._module_buffers)
         self._buffer_broadcast = None
+        self._join = None                    # the active join() context (join.py), if any
         self.reducer = Reducer(named_params, group, int(bucket_cap_mb * MiB), find_unused_parameters,
                                gradient_as_bucket_view, static_graph)
 
@@ -141,12 +143,16 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs, **kwargs):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        sync_buffers = bool(self.broadcast_buffers and self.require_forward_param_sync and self._module_buffers)
+        join = self._join
+        if join is not None:                 # NOTE: before any other collective of this iteration
+            join.notify(sync, sync_buffers)
         if sync:
             self.reducer.prepare_for_forward()
-        if self.broadcast_buffers and self.require_forward_param_sync and self._module_buffers:
-            if self._buffer_broadcast is None:
-                self._buffer_broadcast = coalesced_broadcaster(self._module_buffers)
-            self._buffer_broadcast(self.process_group.backend)
+            if join is not None:
+                join.after_prepare()
+        if sync_buffers:
+            self._broadcast_buffers(join.buffer_src if join is not None else 0)
         if self.device_ids is not None:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         output = self.module(*inputs, **kwargs)
@@ -157,6 +163,18 @@ class DistributedDataParallel(nn.Module):
             self.require_forward_param_sync = False
             self.reducer.bucketer.disarm()
         return output
+
+    def _broadcast_buffers(self, src: int) -> None:
+        if self._buffer_broadcast is None:
+            self._buffer_broadcast = coalesced_broadcaster(self._module_buffers)
+        self._buffer_broadcast(self.process_group.backend, src)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs across ranks (torch's DDP.join): a rank whose loop
+        ended takes part, with zero gradients, in the others' collectives until all are done, then
+        every rank gets the last joiner's parameters. See join.py."""
+        return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -171,5 +189,6 @@ class DistributedDataParallel(nn.Module):
 
     def register_comm_hook(self, state, hook) -> None:
         """hook(state, GradBucket) -> object whose wait() returns the reduced flat gradient;
-        see hooks.py (buckets arrive already divided by world size). Once, before training."""
+        torch's semantics: the bucket is not divided by world size, the hook averages (torch's own
+        hooks run unchanged; see hooks.py). Once, before training."""
         self.reducer.register_comm_hook(state, hook)

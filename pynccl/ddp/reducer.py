@@ -1,16 +1,20 @@
-"""DDP's reduction of gradient buckets: pack (1/N fused) -> comm hook -> unpack, plus unused
-parameters, the one-time bucket rebuild in gradient-ready order, and the broadcasts of module
-state from rank 0. Policy only: when a bucket is ready is buckets.py's business, how bytes
-move is the Backend's (pack/unpack are one CUDA kernel on nccl, torch ops on gloo).
+"""DDP's reduction of gradient buckets: pack -> comm hook -> unpack, plus unused parameters, the
+one-time bucket rebuild in gradient-ready order, and the broadcasts of module state from rank 0.
+Policy only: when a bucket is ready is buckets.py's business, how bytes move is the Backend's
+(pack/unpack are one CUDA kernel on nccl, torch ops on gloo). A user's hook gets the bucket as
+torch's does (not divided: torch's hooks average themselves); a built-in hook runs fused, its 1/N
+folded into the pack (hooks.BUILTIN_HOOKS).
 """
 from __future__ import annotations
 
+import weakref
 from typing import List
 
 import torch
 
 from . import hooks as comm_hooks
 from .buckets import DEFAULT_FIRST_BUCKET_BYTES, Bucket, GradBucketer
+from ..comm.coalesced import MiB, coalesced_broadcaster
 from ..comm.groups import resolve_group
 from ..comm.reduce_op import ReduceOp
 
@@ -47,6 +51,13 @@ def params_reached(output) -> set:
     return reached
 
 
+def _deregister(registrations: list) -> None:
+    """Drops NCCL registrations of bucket buffers (in place; a destroyed communicator's are gone)."""
+    while registrations:
+        comm, handle = registrations.pop()
+        comm.deregister_buffer(handle)
+
+
 class Reducer:
     """Owns the bucketer of a DDP module and what happens to a ready bucket."""
 
@@ -54,7 +65,7 @@ class Reducer:
                  static_graph: bool):
         self.group = group
         self.backend = group.backend
-        self.scale = 1.0 / group.world_size
+        self.scale = 1.0 / group.world_size      # the pack's scale; _setup_buckets sets it per hook
         self.find_unused = find_unused
         self.grad_as_view = grad_as_view
         self.static_graph = static_graph
@@ -78,6 +89,9 @@ class Reducer:
         # The communicator that runs a whole bucket in one C++ call (see _fused_comm), or None.
         self.fused_comm = None
         self._allow_fused = True
+        self._register_buffers = False
+        self._registrations: list = []                    # (communicator, handle) of registered buckets
+        weakref.finalize(self, _deregister, self._registrations)
         self._setup_buckets()
 
     @property
@@ -90,9 +104,33 @@ class Reducer:
     def allow_fused(self, enabled: bool) -> None:
         self._allow_fused = bool(enabled)
         self.fused_comm = self._fused_comm()
+        self._update_registrations()
+
+    @property
+    def register_buffers(self) -> bool:
+        """Whether each bucket's wire buffer is registered with NCCL (ncclCommRegister, NCCL >=
+        2.19) so that its all-reduce may skip NCCL's staging copies. Off by default: an A/B of
+        issue 19 (ddp_bench --levers register). Redone eagerly whenever buckets are (re)built,
+        so set it before capturing a step; applies to the one-call CUDA path only."""
+        return self._register_buffers
+
+    @register_buffers.setter
+    def register_buffers(self, enabled: bool) -> None:
+        self._register_buffers = bool(enabled)
+        self._update_registrations()
+
+    def _update_registrations(self) -> None:
+        _deregister(self._registrations)
+        comm = self.fused_comm
+        if self._register_buffers and comm is not None and hasattr(comm, "register_buffer"):
+            self._registrations.extend((comm, comm.register_buffer(b.extra["wire"])) for b in self.bucketer.buckets)
 
     # ------------------------------------------------------------------ buckets
     def _setup_buckets(self) -> None:
+        # NOTE: torch's semantics: a user's hook averages the bucket itself, so only a built-in
+        # hook gets the 1/N folded into the pack (over the group it reduces over, as torch's does).
+        self.builtin_hook = self.hook in comm_hooks.BUILTIN_HOOKS
+        self.scale = 1.0 / comm_hooks.hook_world_size(self.hook_state) if self.builtin_hook else 1.0
         wire_dtype = getattr(self.hook, "wire_dtype", None)
         last = len(self.bucketer.buckets) - 1
         for b in self.bucketer.buckets:
@@ -102,12 +140,13 @@ class Reducer:
             b.extra["wire"] = wire
             b.extra["grad_bucket"] = comm_hooks.GradBucket(b.index, wire, b.params, b.index == last)
         self.fused_comm = self._fused_comm()
+        self._update_registrations()
 
     def _fused_comm(self):
         """The C++ communicator when a bucket's pack and hook may run as one
         `Communicator.reduce_bucket` call: CUDA, a built-in SUM hook, over an NCCL group.
         Otherwise (gloo, a user's hook) the hook is called from Python."""
-        if self.pack_stream is None or not self._allow_fused or self.hook not in comm_hooks.SUM_HOOKS:
+        if self.pack_stream is None or not self._allow_fused or not self.builtin_hook:
             return None
         try:
             backend = resolve_group(self.hook_state).backend
@@ -129,7 +168,9 @@ class Reducer:
     def _rebuild_buckets(self) -> None:
         """Once, after the first iteration: re-bucket in the order gradients became ready.
         Rank 0's order is broadcast so that every rank builds the same buckets."""
-        order = torch.tensor(self.bucketer.ready_order, dtype=torch.int64, device=self.device)
+        # A rank that joined (join.py) before its first step has no order: the current one serves.
+        order = self.bucketer.ready_order or [i for b in self.bucketer.buckets for i in b.param_indices]
+        order = torch.tensor(order, dtype=torch.int64, device=self.device)
         self.backend.broadcast(order, 0)
         self.bucketer.rebuild(order.tolist())
         self._setup_buckets()
@@ -142,10 +183,14 @@ class Reducer:
         self.rebuilt = True
 
     # ------------------------------------------------------------------ iteration
+    def will_rebuild(self) -> bool:
+        """Whether the next synced forward rebuilds the buckets (a broadcast from rank 0)."""
+        may_rebuild = self.static_graph or not self.find_unused
+        return may_rebuild and not self.rebuilt and bool(self.bucketer.ready_order)
+
     def prepare_for_forward(self) -> None:
         self.bucketer.check_prior_backward_finished()
-        may_rebuild = self.static_graph or not self.find_unused
-        if may_rebuild and not self.rebuilt and self.bucketer.ready_order:
+        if self.will_rebuild():
             self._rebuild_buckets()
 
     def prepare_for_backward(self, output) -> None:
@@ -194,6 +239,8 @@ class Reducer:
                 wire.mul_(self.scale)
         else:
             self.backend.pack(sources, wire, self.scale)
+        if self.builtin_hook:                    # already scaled by 1/N and cast: only the SUM is left
+            return comm_hooks.sum_all_reduce(self.hook_state, wire)
         return self.hook(self.hook_state, b.extra["grad_bucket"])
 
     @torch.no_grad()
@@ -216,6 +263,34 @@ class Reducer:
         else:
             handle = self._reduce(b, sources)
         self.pending.append((b, handle, sources))        # sources: alive until the streams join
+
+    def set_divisor(self, divisor=None) -> None:
+        """A built-in hook divides by `divisor` instead of its group's size (join() with
+        divide_by_initial_world_size=False; a user's hook divides as it likes); None restores it."""
+        if self.builtin_hook:
+            self.scale = 1.0 / (divisor or comm_hooks.hook_world_size(self.hook_state))
+
+    @torch.no_grad()
+    def reduce_zeros(self) -> None:
+        """A joined rank's part in one backward of the ranks still training (join.py): each
+        bucket's reduction, of zeros, through the same hook and in the same order, then the
+        used-map all-reduce where they run one (_globally_unused)."""
+        handles, last = [], len(self.bucketer.buckets) - 1
+        for b in self.bucketer.buckets:
+            zeros = torch.zeros_like(b.extra["wire"])
+            if self.fused_comm is not None:
+                # NOTE: the communicator reduce_bucket runs on elsewhere, called the same way
+                # (past the collective check, which reduce_bucket does not go through either).
+                handles.append(comm_hooks._Pending(self.fused_comm.all_reduce(zeros, ReduceOp.SUM, True), zeros))
+            elif self.builtin_hook:
+                handles.append(comm_hooks.sum_all_reduce(self.hook_state, zeros))
+            else:
+                bucket = comm_hooks.GradBucket(b.index, zeros, b.params, b.index == last)
+                handles.append(self.hook(self.hook_state, bucket))
+        if self.static_unused is None and (self.find_unused or self.static_graph):
+            self.backend.all_reduce(torch.zeros(len(self.params), dtype=torch.int32, device=self.device), ReduceOp.SUM)
+        for h in handles:
+            h.wait()
 
     def _globally_unused(self) -> set:
         """Indices of parameters no rank used since the last reduction (their grads stay as they

@@ -1,0 +1,1 @@
+"""Pieces of benchmarks/ddp_bench.py: models, one timed mode (trainer), levers, CUDA diagnostics, report."""

@@ -1,0 +1,106 @@
+"""Issue 19's levers: settings of pynccl DDP that might hide its communication better, each
+timed as one more mode against the floor, torch DDP and default pynccl DDP in the same run.
+
+NCCL settings go to a communicator made for that mode only (pynccl.new_group() while the
+PYNCCL_NCCL_* variables are set: csrc/communicator.cpp's make_config reads them at every init
+and split), because NCCL reads its own NCCL_* variables once per process. Fewer channels is
+maxCTAs (one CTA per channel); NCCL_MAX_NCHANNELS itself cannot change inside a process.
+"""
+import dataclasses
+import os
+from typing import Dict, Optional, Tuple
+
+import pynccl
+from pynccl.comm.coalesced import MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class Lever:
+    name: str
+    why: str
+    nccl_env: Dict[str, str] = dataclasses.field(default_factory=dict)   # for this mode's communicator
+    min_nccl: Tuple[int, int, int] = (2, 18, 0)                         # runtime NCCL it needs
+    ddp_kwargs: Dict[str, object] = dataclasses.field(default_factory=dict)
+    first_bucket_mb: Optional[float] = None     # the first bucket's cap after the rebuild (default 1 MiB)
+    register_buffers: bool = False              # ncclCommRegister of every bucket (NCCL >= 2.19)
+    comm_prio0: bool = False                    # the communicator's stream at normal priority
+
+
+LEVERS = {lv.name: lv for lv in [
+    Lever("cta-efficiency", "ncclConfig_t.CTAPolicy = NCCL_CTA_POLICY_EFFICIENCY: fewer SMs for the same bandwidth",
+          {"PYNCCL_NCCL_CTA_POLICY": "1"}, (2, 27, 0)),
+    # NOTE: not in the default set: copy engines move bytes but cannot add, so NCCL 2.28's
+    # copy-engine collectives (symmetric-window all-gather / all-to-all) do not cover all-reduce.
+    Lever("cta-zero", "CTAPolicy = NCCL_CTA_POLICY_ZERO: copy-engine collectives where NCCL supports them "
+          "(else NCCL's kernels)", {"PYNCCL_NCCL_CTA_POLICY": "2"}, (2, 28, 0)),
+    Lever("max-ctas-8", "maxCTAs 8: at most 8 channels, fewer SMs taken from backward",
+          {"PYNCCL_NCCL_MIN_CTAS": "1", "PYNCCL_NCCL_MAX_CTAS": "8"}),
+    Lever("max-ctas-4", "maxCTAs 4", {"PYNCCL_NCCL_MIN_CTAS": "1", "PYNCCL_NCCL_MAX_CTAS": "4"}),
+    Lever("max-ctas-2", "maxCTAs 2", {"PYNCCL_NCCL_MIN_CTAS": "1", "PYNCCL_NCCL_MAX_CTAS": "2"}),
+    Lever("cga-1", "cgaClusterSize 1: no CTA clusters (Hopper's default is 4)", {"PYNCCL_NCCL_CGA_CLUSTER_SIZE": "1"}),
+    Lever("register", "bucket buffers registered with ncclCommRegister (zero-copy where NCCL can)",
+          min_nccl=(2, 19, 0), register_buffers=True),
+    Lever("bucket-10mb", "bucket_cap_mb 10 (default 25): reductions start earlier, more of them",
+          ddp_kwargs=dict(bucket_cap_mb=10)),
+    Lever("bucket-50mb", "bucket_cap_mb 50: fewer, larger reductions", ddp_kwargs=dict(bucket_cap_mb=50)),
+    Lever("first-bucket-25mb", "first bucket as large as the others (default 1 MiB)", first_bucket_mb=25),
+    Lever("grad-view", "gradient_as_bucket_view=True: no copy into or out of the buckets",
+          ddp_kwargs=dict(gradient_as_bucket_view=True)),
+    Lever("comm-prio0", "the communicator's stream at normal priority (default: high)", comm_prio0=True),
+]}
+DEFAULT_LEVERS = ["cta-efficiency", "max-ctas-8", "max-ctas-4", "register", "bucket-10mb", "bucket-50mb",
+                  "first-bucket-25mb", "grad-view", "comm-prio0"]
+MODE_PREFIX = "pynccl DDP + "
+
+
+def parse(names):
+    """--levers argument -> list of Lever ('default', 'all' or names)."""
+    if not names or names == ["default"]:
+        names = DEFAULT_LEVERS
+    elif names == ["all"]:
+        names = list(LEVERS)
+    unknown = [n for n in names if n not in LEVERS]
+    if unknown:
+        raise SystemExit(f"ddp_bench: unknown lever(s) {unknown}; known: {sorted(LEVERS)}")
+    return [LEVERS[n] for n in names]
+
+
+def unavailable(lever: Lever) -> Optional[str]:
+    """Why `lever` cannot run in this process (the runtime NCCL is too old), or None."""
+    if lever.min_nccl > (2, 18, 0) or lever.nccl_env or lever.register_buffers or lever.comm_prio0:
+        if not pynccl.is_initialized() or pynccl.get_backend() != "nccl":
+            return "needs the nccl backend"
+        version = pynccl.nccl_version()          # the headers pynccl was built with and the library loaded
+        for what, v in (("runs", tuple(version.runtime)), ("was built with", tuple(version.build))):
+            if v < lever.min_nccl:
+                return f"needs NCCL >= {'.'.join(map(str, lever.min_nccl))}, pynccl {what} {'.'.join(map(str, v))}"
+    return None
+
+
+def make_group(lever: Lever):
+    """A pynccl group over every rank for this lever's DDP (collective), or None for the default
+    group when the lever changes nothing in NCCL."""
+    env = dict(lever.nccl_env)
+    if lever.comm_prio0:
+        env["PYNCCL_COMM_STREAM_HIGH_PRIORITY"] = "0"
+    if not env:
+        return None
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return pynccl.new_group()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def apply(ddp, lever: Lever) -> None:
+    """What is set on a built pynccl DDP (before its first step)."""
+    if lever.first_bucket_mb is not None:
+        # NOTE: the first buckets are built at construction; the rebuild after the first step uses this.
+        ddp.reducer.bucketer.first_bucket_cap_bytes = int(lever.first_bucket_mb * MiB)
+    if lever.register_buffers:
+        ddp.reducer.register_buffers = True

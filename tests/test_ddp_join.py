@@ -1,0 +1,142 @@
+"""pynccl.DistributedDataParallel.join() on gloo: ranks with different numbers of batches train
+inside `with ddp.join():` and end with the parameters (and buffers) torch DDP's join() gives on
+the same data: SGD and AdamW, divide_by_initial_world_size True and False, several buckets
+rebuilt while rank 0 has already joined, BatchNorm buffers, parameters unused on some ranks,
+and torch's own comm hook. Rank 0 without any batch (its bucket order never recorded) against a
+single-process reference; throw_on_early_termination. One process launch per world size."""
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import pynccl
+from pynccl.testing import run_multiprocess
+
+TINY_BUCKETS_MB = 0.0002                     # ~200 bytes: several buckets
+
+
+class Net(nn.Module):
+    def __init__(self, bn=False):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16) if bn else None
+        self.extra = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 4)
+        self.use_extra = True
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if self.bn is not None:
+            h = self.bn(h)
+        if self.use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.fc2(h)
+
+
+def _net(bn=False):
+    torch.manual_seed(0)
+    return Net(bn)
+
+
+def _batches(rank, n):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
+
+
+def _opt(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def _train_joined(model, opt, batches, **join_kwargs):
+    with model.join(**join_kwargs):
+        for x, y in batches:
+            opt.zero_grad(set_to_none=True)
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+
+
+def _state(model):
+    return [t.detach().clone() for t in list(model.module.parameters()) + list(model.module.buffers())]
+
+
+def _assert_close(got, expected, what, tol):
+    assert len(got) == len(expected), what
+    d = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, expected))
+    assert d <= tol, f"{what}: max |diff| {d:.3g} > {tol}"
+
+
+def _check_against_torch(rank, ws, counts):
+    mine = _batches(rank, counts[rank])
+    cases = [  # (name, bn, opt, join kwargs, DDP kwargs, extra used on which ranks, torch hook)
+        ("sgd", False, "sgd", {}, {}, None, None),
+        ("adamw, divide by ranks with data", False, "adamw", dict(divide_by_initial_world_size=False), {}, None, None),
+        ("sgd, BatchNorm buffers", True, "sgd", {}, {}, None, None),
+        ("adamw, unused on rank 0", False, "adamw", {}, dict(find_unused_parameters=True), "not0", None),
+        ("sgd, torch's allreduce_hook", False, "sgd", {}, {}, None, default_hooks.allreduce_hook),
+    ]
+    for name, bn, opt_name, join_kw, ddp_kw, extra, hook in cases:
+        ours = pynccl.DistributedDataParallel(_net(bn), bucket_cap_mb=TINY_BUCKETS_MB, **ddp_kw)
+        theirs = TorchDDP(_net(bn), **ddp_kw)
+        for m in (ours, theirs):
+            m.module.use_extra = extra is None or rank != 0
+            if hook is not None:
+                m.register_comm_hook(None, hook)
+            _train_joined(m, _opt(opt_name, m.parameters()), mine, **join_kw)
+        assert len(ours.reducer.bucketer.buckets) > 2, name
+        assert ours.reducer.rebuilt == (not ddp_kw), name        # find_unused_parameters keeps the first buckets
+        _assert_close(_state(ours), _state(theirs), f"join, {name}: vs torch DDP", 1e-5)
+        # Every rank ends with the same model (the last joiner's), as torch's join does.
+        everyone = [None] * ws
+        pynccl.all_gather_object(everyone, [t.tolist() for t in _state(ours)])
+        assert all(e == everyone[0] for e in everyone), f"join, {name}: ranks differ after join"
+        if name == "sgd":
+            plain_sgd = _state(ours)
+        if name == "adamw, divide by ranks with data":
+            # The divisor matters here: the same run dividing by the world size ends elsewhere.
+            again = pynccl.DistributedDataParallel(_net(), bucket_cap_mb=TINY_BUCKETS_MB)
+            _train_joined(again, _opt("adamw", again.parameters()), mine)
+            assert max((a - b).abs().max().item() for a, b in zip(_state(again), _state(ours))) > 1e-4
+    return plain_sgd
+
+
+def _check_rank0_without_data(rank, ws):
+    """Rank 0 has no batch: it never records a bucket order, so the rebuild broadcasts its initial
+    one. Against one process: step t sums the mean-loss gradients of the ranks with a t-th batch,
+    divided by the world size."""
+    counts = [0] + [2 + r for r in range(1, ws)]
+    ours = pynccl.DistributedDataParallel(_net(), bucket_cap_mb=TINY_BUCKETS_MB)
+    _train_joined(ours, _opt("sgd", ours.parameters()), _batches(rank, counts[rank]))
+    ref = _net()
+    opt = _opt("sgd", ref.parameters())
+    per_rank = [_batches(r, counts[r]) for r in range(ws)]
+    for t in range(max(counts)):
+        opt.zero_grad()
+        loss = sum(((ref(x) - y) ** 2).mean() for b in per_rank if t < len(b) for x, y in [b[t]]) / ws
+        loss.backward()
+        opt.step()
+    _assert_close(_state(ours), [p.detach() for p in ref.parameters()], "join, rank 0 without data vs one process",
+                  1e-5)
+
+
+def _check_throw(rank, ws):
+    ours = pynccl.DistributedDataParallel(_net(), bucket_cap_mb=TINY_BUCKETS_MB)
+    with pytest.raises(RuntimeError, match="exhausted inputs"):
+        _train_joined(ours, _opt("sgd", ours.parameters()), _batches(rank, 1 + 2 * (rank == ws - 1)),
+                      throw_on_early_termination=True)
+
+
+def _case(rank, ws):
+    counts = [1, 3, 2][:ws]              # rank 0 joins first, before the others rebuild their buckets
+    _check_against_torch(rank, ws, counts)
+    _check_rank0_without_data(rank, ws)
+    _check_throw(rank, ws)
+    with pytest.raises(ValueError, match="static_graph"):
+        pynccl.DistributedDataParallel(_net(), static_graph=True).join()
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_join_uneven_inputs(ws):
+    run_multiprocess(_case, ws, backend="gloo", timeout=180)
