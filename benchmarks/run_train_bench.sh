@@ -37,7 +37,7 @@ bench() {  # bench NAME CAP NPROC train_bench args...: log $O/NAME.log, rows $O/
   sed -n '/^strategy /,/^$/p' "$O/$name.log"
   [ "$rc" = 0 ] || { FAILED=1; grep -E "Error|error" "$O/$name.log" | grep -v "^ " | head -3; }
 }
-# issue #15 item 6: ZeRO-1/2/3 against FSDP2 (stages 1/2 use foreach AdamW until #15's fix: see --help).
+# issue #15 item 6: ZeRO-1/2/3 against FSDP2, both with fused AdamW.
 bench gpt2m_zero3 60 "$N" $GPT2M --strategy zero3
 bench llama1b_zero3 75 "$N" $L1B --batch 4 --strategy zero3
 bench gpt2m_zero1 60 "$N" $GPT2M --strategy zero1

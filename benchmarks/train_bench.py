@@ -62,9 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--optim-impl", choices=["auto", "fused", "foreach", "for-loop"], default="auto",
                    help="AdamW implementation (auto: fused on GPU, foreach on CPU)")
-    p.add_argument("--zero12-optim-impl", choices=["same", "fused", "foreach", "for-loop"], default="foreach",
-                   help="AdamW of pynccl ZeRO stages 1/2 (default foreach: before issue #15's fix they miss the "
-                        "re-gather after a fused step and do not train; 'same' follows --optim-impl)")
+    p.add_argument("--zero12-optim-impl", choices=["same", "fused", "foreach", "for-loop"], default="same",
+                   help="AdamW of pynccl ZeRO stages 1/2 (default 'same': follows --optim-impl)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn when not under torchrun")
