@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 from setuptools import find_packages, setup
 
@@ -120,42 +119,12 @@ def check_build_torch_matches_target(torch):
 def _rpaths(nccl_lib):
     # NOTE: torch is imported first and has libnccl.so.2 loaded already, so these are a fallback.
     # $ORIGIN/../nvidia/nccl/lib is the nvidia-nccl wheel beside an installed pynccl. The absolute
-    # path serves an in-place/editable build, but not when it points into a build environment that
-    # pip deletes after the build (isolated builds live under the temp dir).
+    # path serves an in-place/editable build, but not when it points into the environment of an
+    # isolated build, which pip (pip-build-env-*) or build (build-env-*) deletes afterwards.
     rpaths = ["$ORIGIN/../nvidia/nccl/lib"]
-    temp = os.path.realpath(tempfile.gettempdir())
-    if not os.path.realpath(nccl_lib).startswith(temp + os.sep):
+    if "build-env-" not in os.path.realpath(nccl_lib):
         rpaths.append(nccl_lib)
     return rpaths
-
-
-def _find_nccl():
-    """(include_dir, lib_dir) of NCCL: $NCCL_HOME, else the nvidia-nccl wheel torch loads."""
-    home = os.environ.get("NCCL_HOME")
-    if home:
-        return os.path.join(home, "include"), next(
-            (d for d in (os.path.join(home, "lib"), os.path.join(home, "lib64")) if os.path.isdir(d)),
-            os.path.join(home, "lib"))
-    try:
-        import nvidia.nccl  # namespace package: no __file__
-    except ImportError:
-        return None, None
-    for base in nvidia.nccl.__path__:
-        if os.path.exists(os.path.join(base, "include", "nccl.h")):
-            return os.path.join(base, "include"), os.path.join(base, "lib")
-    return None, None
-
-
-def _cuda_home_default():
-    # torch guesses CUDA_HOME from `which nvcc`; a wrapper script in /usr/local/bin then gives
-    # /usr/local, which has no CUDA headers. Prefer a real toolkit when the user set nothing.
-    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
-        return
-    for candidate in ("/usr/local/cuda",):
-        if os.path.exists(os.path.join(candidate, "bin", "nvcc")) and \
-                os.path.exists(os.path.join(candidate, "include", "cuda_runtime_api.h")):
-            os.environ["CUDA_HOME"] = candidate
-            return
 
 
 def _extensions():

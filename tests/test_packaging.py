@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -38,6 +40,21 @@ def test_isolated_build_asks_for_the_installed_torch():
     assert backend.torch_requirement(installed) == f"torch=={installed['dist_version']}"
     assert installed["version"].startswith(installed["dist_version"])
     assert backend.torch_requirement(None) == f"torch>={backend.TORCH_LOWER_BOUND}"
+
+
+def test_build_against_another_torch_than_installed_stops_with_the_fix(monkeypatch):
+    setup = _load("setup")
+    import build_backend  # setup.py put the repo root on sys.path
+    import torch
+    same = {"dist_version": "x", "version": torch.__version__, "cuda": torch.version.cuda}
+    monkeypatch.setattr(build_backend, "target_torch", lambda: same)
+    setup.check_build_torch_matches_target(torch)  # the installed torch: nothing to say
+    monkeypatch.setattr(build_backend, "target_torch", lambda: dict(same, version="2.11.0+cu130"))
+    with pytest.raises(SystemExit, match=r"installed into has torch 2\.11\.0\+cu130 .*--no-build-isolation"):
+        setup.check_build_torch_matches_target(torch)
+    monkeypatch.setattr(build_backend, "target_torch", lambda: dict(same, cuda="12.8"))
+    with pytest.raises(SystemExit, match=r"\(CUDA 12\.8\)"):
+        setup.check_build_torch_matches_target(torch)
 
 
 _WARNING_PROBE = r"""
