@@ -127,6 +127,35 @@ def _rpaths(nccl_lib):
     return rpaths
 
 
+def _find_nccl():
+    """(include_dir, lib_dir) of NCCL: $NCCL_HOME, else the nvidia-nccl wheel torch loads."""
+    home = os.environ.get("NCCL_HOME")
+    if home:
+        return os.path.join(home, "include"), next(
+            (d for d in (os.path.join(home, "lib"), os.path.join(home, "lib64")) if os.path.isdir(d)),
+            os.path.join(home, "lib"))
+    try:
+        import nvidia.nccl  # namespace package: no __file__
+    except ImportError:
+        return None, None
+    for base in nvidia.nccl.__path__:
+        if os.path.exists(os.path.join(base, "include", "nccl.h")):
+            return os.path.join(base, "include"), os.path.join(base, "lib")
+    return None, None
+
+
+def _cuda_home_default():
+    # torch guesses CUDA_HOME from `which nvcc`; a wrapper script in /usr/local/bin then gives
+    # /usr/local, which has no CUDA headers. Prefer a real toolkit when the user set nothing.
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    for candidate in ("/usr/local/cuda",):
+        if os.path.exists(os.path.join(candidate, "bin", "nvcc")) and \
+                os.path.exists(os.path.join(candidate, "include", "cuda_runtime_api.h")):
+            os.environ["CUDA_HOME"] = candidate
+            return
+
+
 def _extensions():
     if os.environ.get("PYNCCL_BUILD_EXTENSION", "1") == "0":
         return _skip("PYNCCL_BUILD_EXTENSION=0")
