@@ -1,12 +1,16 @@
 """Loading of the C++ extension pynccl._C and what it reports about NCCL.
 
-_C is imported once, eagerly and quietly: a machine without it (no CUDA torch, no nvcc) must
-still import pynccl and run the gloo backend. Whoever needs _C calls `require_extension(what)`,
-which raises an ImportError that says how to build it and carries the original import error.
+_C is imported once, eagerly: a machine without it (no CUDA torch, no nvcc) must still import
+pynccl and run the gloo backend. Whoever needs _C calls `require_extension(what)`, which raises an
+ImportError that says how to build it and carries the original import error. Where a GPU is
+visible, a missing _C is almost always a surprise (pip hides the build's notice), so importing
+pynccl then warns once (silence it with PYNCCL_WARN_NO_EXTENSION=0).
 """
 from __future__ import annotations
 
 import importlib
+import os
+import warnings
 from typing import NamedTuple, Optional, Tuple
 
 import torch  # noqa: F401  (loads libtorch and torch's libnccl.so.2 before _C needs them)
@@ -24,9 +28,25 @@ else:
     _Work.register(_C.Work)  # C++ Work handles are base.Work for isinstance checks, whoever imports first
 
 _BUILD_HINT = (
-    "build it with `pip install --no-build-isolation -e .` from the pynccl checkout, with a CUDA build of "
-    "torch and a CUDA compiler (nvcc; set CUDA_HOME if it is not found) installed"
+    "build it with `pip install --no-build-isolation -e .` (or `pip install --no-build-isolation .`) from "
+    "the pynccl source, with a CUDA build of torch and a CUDA compiler (nvcc; set CUDA_HOME if it is not "
+    "found) installed; an _C built against another torch does not load"
 )
+
+
+def _warn_if_gpu_without_extension() -> None:
+    # NOTE: device_count() asks NVML where it can, which does not initialise CUDA in this process
+    # (a later fork stays usable); it is only reached when _C is missing.
+    if _C is not None or os.environ.get("PYNCCL_WARN_NO_EXTENSION") == "0" or not torch.version.cuda:
+        return
+    if torch.cuda.device_count() == 0:
+        return
+    warnings.warn(f"pynccl: a GPU is visible but pynccl's C++ extension (pynccl._C) could not be imported "
+                  f"({_IMPORT_ERROR}), so backend='nccl' is unavailable (torch {torch.__version__}); "
+                  f"{_BUILD_HINT}. PYNCCL_WARN_NO_EXTENSION=0 silences this.", RuntimeWarning, stacklevel=2)
+
+
+_warn_if_gpu_without_extension()
 
 
 def available() -> bool:

@@ -68,11 +68,14 @@ def killed_rank_case(rank, ws):
     raise AssertionError("training went on after rank 1 was killed")
 
 
-def test_killed_rank_surfaces_on_every_survivor():
+def test_killed_rank_surfaces_on_every_survivor(tmp_path):
     out = run_multiprocess(killed_rank_case, 3, timeout=60, init_kwargs={"timeout": TIMEOUT_S},
-                           expect_failure_ranks=[1])
+                           expect_failure_ranks=[1], env={"PYNCCL_FLIGHT_RECORDER_DIR": str(tmp_path)})
     for r in (0, 2):
         assert out[r] is not None and out[r] < TIMEOUT_S + 10, out
+    # each survivor wrote its flight record where it was told (not into the shared temp dir)
+    assert sorted(p.name.split("_")[3] for p in tmp_path.glob("pynccl_flight_world_rank*.json")) == \
+        ["rank0", "rank2"], list(tmp_path.iterdir())
 
 
 def rendezvous_missing_rank_case(rank, ws):
