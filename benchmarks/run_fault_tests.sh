@@ -3,8 +3,9 @@
 # 10 s group timeout) at world size 4, the one-GPU time-out tests, and the host time per call at
 # one GPU (benchmarks/host_overhead.py; compare with RESULTS.md's previous figure).
 #   benchmarks/run_fault_tests.sh OUTDIR        (exit status: non-zero if any part failed)
-# Logs: OUTDIR/faults4.log (seconds per survivor: OUTDIR/fault_times.jsonl), OUTDIR/single_gpu_timeouts.log,
-# OUTDIR/host_overhead.log (+ .json).
+# Builds the extension first (pip install -e .; SKIP_BUILD=1 skips it). Logs: OUTDIR/faults4.log
+# (seconds per survivor: OUTDIR/fault_times.jsonl), OUTDIR/single_gpu_timeouts.log,
+# OUTDIR/host_overhead.log (+ .json). About 5 minutes on 4 GPUs.
 set -uo pipefail
 OUTDIR=${1:?usage: run_fault_tests.sh OUTDIR}
 mkdir -p "$OUTDIR"
@@ -16,6 +17,10 @@ unset PYNCCL_ON_TIMEOUT PYNCCL_NCCL_NONBLOCKING
 PY=${PYTHON:-python3}
 status=0
 rm -f "$OUTDIR/fault_times.jsonl"
+if [ "${SKIP_BUILD:-0}" != 1 ]; then  # the extension of this tree (SKIP_BUILD=1: already built)
+  MAX_JOBS=${MAX_JOBS:-32} "$PY" -m pip install -v --no-build-isolation --no-deps -e . >"$OUTDIR/build.log" 2>&1 \
+    || { echo "build failed: $OUTDIR/build.log"; tail -30 "$OUTDIR/build.log"; exit 1; }
+fi
 
 t0=$SECONDS
 FAULT_WORLD_SIZE=${FAULT_WORLD_SIZE:-4} FAULT_TIMES_FILE="$OUTDIR/fault_times.jsonl" \

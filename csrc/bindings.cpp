@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <set>
+
 #include "bucket.h"
 #include "check.h"
 #include "communicator.h"
@@ -168,6 +170,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("on_timeout") = py::none(), py::arg("blocking") = py::none(),
       "What a Communicator made with these arguments does: {'blocking': bool, 'on_timeout': 'teardown'|'raise'}; "
       "None reads PYNCCL_ON_TIMEOUT and PYNCCL_NCCL_NONBLOCKING as the constructor does.");
+  m.def(
+      "_overdue_call_for_test",
+      [](const std::string& op, uint64_t seq, int64_t start_ns, int64_t now_ns, double timeout_s, bool cleared) {
+        // Test hook: the watchdog's view of a call into NCCL (ActiveCall), without a GPU.
+        static std::set<std::string> names;  // NOTE: ActiveCall keeps a pointer; set nodes never move (GIL held)
+        ActiveCall call;
+        call.set(names.insert(op).first->c_str(), seq, start_ns);
+        if (cleared) call.clear();
+        return call.overdue(now_ns, timeout_s);
+      },
+      py::arg("op"), py::arg("seq"), py::arg("start_ns"), py::arg("now_ns"), py::arg("timeout_s"),
+      py::arg("cleared") = false);
   m.def(
       "_tear_down_for_test", [](const std::string& message) { tear_down_process(message); }, py::arg("message"),
       "Test hook: what the watchdog does on a time-out by default (message to stderr, exit code 75).");

@@ -237,7 +237,11 @@ void Communicator::finish_nccl_call(ncclResult_t result, const char* call, const
                 /*caller_in_flight=*/true);
     }
   }
-  throw_nccl_error(result, call, file, line, comm_);
+  try {
+    throw_nccl_error(result, call, file, line, comm_);
+  } catch (const Error& e) {  // NOTE: named as a time-out is: which op, which communicator
+    throw Error(describe() + ": " + scope.op_ + " (seq " + std::to_string(scope.seq_) + "): " + e.what());
+  }
 }
 
 void Communicator::fail(bool is_timeout, const std::string& message, bool caller_in_flight) {
@@ -347,13 +351,15 @@ bool Communicator::is_aborted() const { return state_.load() == static_cast<int>
 
 void Communicator::destroy() {
   std::unique_lock<std::mutex> lock(lifecycle_mutex_);
-  if (comm_ == nullptr || abort_claimed_.load()) {  // aborted earlier, or destroyed twice: nothing collective left
+  const bool abort_deferred = abort_pending_.load() && !abort_claimed_.load();
+  state_.store(static_cast<int>(CommState::kDestroyed));
+  if (comm_ == nullptr || abort_claimed_.load() || abort_deferred) {  // aborted, or destroyed twice: nothing collective left
     lock.unlock();
+    if (abort_deferred) return;  // a call still inside NCCL aborts on its way out; the watchdog keeps bounding it
     stop_watchdog();
     release_tracked();
     return;
   }
-  state_.store(static_cast<int>(CommState::kDestroyed));
   const double timeout = timeout_s();
   if (!poll_until([this] { return in_flight_.load() == 0; }, timeout)) {
     abort_pending_.store(true);  // the call still in flight aborts on its way out

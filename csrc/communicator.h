@@ -102,6 +102,16 @@ struct ActiveCall {
   std::atomic<int64_t> start_ns{0};  // steady_clock, ns
   std::atomic<const char*> op{nullptr};
   std::atomic<uint64_t> seq{0};
+
+  void set(const char* op_name, uint64_t op_seq, int64_t start) {
+    op.store(op_name, std::memory_order_relaxed);
+    seq.store(op_seq, std::memory_order_relaxed);
+    start_ns.store(start, std::memory_order_release);
+  }
+  void clear() { start_ns.store(0, std::memory_order_release); }
+  // "<op> (seq N) did not complete within T: ..." if the call has been inside NCCL for longer
+  // than timeout_s at now_ns, else "". watchdog.cpp.
+  std::string overdue(int64_t now_ns, double timeout_s) const;
 };
 
 class OpScope;
@@ -232,12 +242,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
     Communicator& owner;
   };
   // Registers a call into NCCL for the watchdog (see ActiveCall); clear_active() after.
-  void set_active(const char* op, uint64_t seq, int64_t start_ns) {
-    active_.op.store(op, std::memory_order_relaxed);
-    active_.seq.store(seq, std::memory_order_relaxed);
-    active_.start_ns.store(start_ns, std::memory_order_release);
-  }
-  void clear_active() { active_.start_ns.store(0, std::memory_order_release); }
+  void set_active(const char* op, uint64_t seq, int64_t start_ns) { active_.set(op, seq, start_ns); }
+  void clear_active() { active_.clear(); }
   void stop_watchdog();
   void release_tracked();  // after the watchdog stopped: drop what it was watching (any thread, mutex_ inside)
   void drain_graveyard();
@@ -249,8 +255,6 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // A failure the watchdog found: marks the flight entries, dumps the record, then ends the
   // process (default) or aborts the communicator (on_timeout=raise).
   void watchdog_fail(const std::string& failure, bool is_timeout, uint64_t failed_seq);
-  // The call in active_ if it has been inside NCCL longer than the timeout: "<op> (seq N) ...".
-  std::string overdue_call(int64_t now_ns, double timeout_s) const;
   std::string dump_flight_record(const std::string& reason);
   void set_entry_state(uint64_t seq, OpState state);  // mutex_ held
 

@@ -95,7 +95,7 @@ bool Communicator::watchdog_poll() {
     // communicator was aborted or is being destroyed meanwhile. With on_timeout=raise every
     // such call is a poll on its own thread, bounded there.
     const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
-    const std::string overdue = overdue_call(now_ns, timeout.count());
+    const std::string overdue = active_.overdue(now_ns, timeout.count());
     if (!overdue.empty()) watchdog_fail("watchdog: " + overdue, /*is_timeout=*/true, active_.seq.load());
   }
   const int state = state_.load();
@@ -159,10 +159,12 @@ bool Communicator::watchdog_poll() {
       failure = std::string("watchdog: NCCL async error: ") + ncclGetErrorString(async_state) +
                 (last.empty() ? "" : " (last NCCL error: " + last + ")");
       failed_seq = UINT64_MAX;
-      if (!watch_list_.empty()) {  // name the op it hit, as a time-out does
-        failure += std::string(" while ") + watch_list_.front().op + " (seq " +
-                   std::to_string(watch_list_.front().seq) + ") was unfinished";
-        failed_seq = watch_list_.front().seq;
+      // Name the op it hit, as a time-out does: the one a thread is inside NCCL for, else the oldest.
+      const char* active_op = active_.start_ns.load() != 0 ? active_.op.load() : nullptr;
+      if (active_op != nullptr || !watch_list_.empty()) {
+        failed_seq = active_op != nullptr ? active_.seq.load() : watch_list_.front().seq;
+        failure += std::string(" while ") + (active_op != nullptr ? active_op : watch_list_.front().op) + " (seq " +
+                   std::to_string(failed_seq) + ") was unfinished";
       }
     }
   }
@@ -184,14 +186,14 @@ void Communicator::watchdog_fail(const std::string& failure, bool is_timeout, ui
   fail(is_timeout, failure + "; the communicator was aborted. Flight record: " + path, /*caller_in_flight=*/false);
 }
 
-std::string Communicator::overdue_call(int64_t now_ns, double timeout_s) const {
-  const int64_t start_ns = active_.start_ns.load(std::memory_order_acquire);
-  if (start_ns == 0 || static_cast<double>(now_ns - start_ns) <= timeout_s * 1e9) return {};
-  const char* op = active_.op.load(std::memory_order_relaxed);
-  const uint64_t seq = active_.seq.load(std::memory_order_relaxed);
+std::string ActiveCall::overdue(int64_t now_ns, double timeout_s) const {
+  const int64_t started = start_ns.load(std::memory_order_acquire);
+  if (started == 0 || static_cast<double>(now_ns - started) <= timeout_s * 1e9) return {};
+  const char* op_name = op.load(std::memory_order_relaxed);
+  const uint64_t op_seq = seq.load(std::memory_order_relaxed);
   // NOTE: read again: the call may have returned (or another begun) while op and seq were read.
-  if (active_.start_ns.load(std::memory_order_acquire) != start_ns || op == nullptr) return {};
-  return std::string(op) + " (seq " + std::to_string(seq) + ") did not complete within " + seconds_text(timeout_s) +
+  if (start_ns.load(std::memory_order_acquire) != started || op_name == nullptr) return {};
+  return std::string(op_name) + " (seq " + std::to_string(op_seq) + ") did not complete within " + seconds_text(timeout_s) +
          ": this rank is still inside the NCCL call, waiting for a peer that did not arrive";
 }
 

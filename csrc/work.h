@@ -50,7 +50,8 @@ struct WorkState {
   const cudaEvent_t event;  // recorded on the communicator's stream after the op
   const bool captured;      // enqueued while the stream was capturing a CUDA graph
   const std::shared_ptr<EventPool> pool;
-  // NOTE: only touched from the Python thread (the GIL orders it); the watchdog never reads it.
+  // NOTE: guarded by the GIL: only touched by bindings that hold it (Work.wait, release_tensors)
+  // and by the last owner's destructor; the watchdog never reads it. Every other field is const.
   std::vector<at::Tensor> tensors;
 };
 

@@ -214,4 +214,4 @@ def test_raise_mode_skipped_collective_raises_at_the_wait(tmp_path):
 def test_raise_mode_rank_killed_before_first_p2p(tmp_path):
     runs = run_case("killed_before_first_p2p", tmp_path, on_timeout="raise")
     check_survivors("killed_before_first_p2p", runs, {"raised"}, mode="raise",
-                    message_pattern=r"(send|recv|barrier)")
+                    message_pattern=r"(send|recv|barrier) \(seq \d+\).*'world'|'world'.*(send|recv|barrier) \(seq \d+\)")

@@ -54,6 +54,19 @@ def test_bad_policy_values_name_what_was_given(policy, monkeypatch):
         policy()
 
 
+def test_watchdog_sees_a_call_past_its_deadline_only():
+    overdue = _ext._C._overdue_call_for_test
+    s = 1_000_000_000
+    start = 5 * s
+    assert overdue("all_reduce", 7, start, start + 9 * s, 10.0) == ""          # still within the timeout
+    expected = ("all_reduce (seq 7) did not complete within 10 s: this rank is still inside the NCCL call, "
+                "waiting for a peer that did not arrive")
+    assert overdue("all_reduce", 7, start, start + 10 * s + 1, 10.0) == expected
+    assert overdue("init", 0, start, start + 11 * s, 10.0).startswith("init (seq 0) did not complete within 10 s")
+    assert overdue("all_reduce", 7, start, start + 60 * s, 10.0, cleared=True) == ""  # the call returned
+    assert overdue("send", 3, start, start + 600 * s, 0.5).startswith("send (seq 3) did not complete within 0.5 s")
+
+
 def test_exit_code_is_one_constant():
     assert _ext._C.TIMEOUT_EXIT_CODE == TIMEOUT_EXIT_CODE == 75
 
