@@ -6,6 +6,7 @@ A rank prints "T0 <time.time()>" when the faulty phase starts and "RESULT <json>
 the end; the test measures each survivor's exit (or raise) against its T0. A case is a plain
 function of (rank, world_size); the rank it makes fail is always rank 1, the victim.
 """
+import datetime
 import json
 import os
 import signal
@@ -109,7 +110,7 @@ def missing_at_nccl_init(rank, ws):
     """Every rank takes the unique id, then the victim leaves before ncclCommInitRankConfig."""
     from pynccl.backends.nccl import NcclBackend, get_unique_id
     store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ws, rank == 0,
-                                       timeout=__import__("datetime").timedelta(seconds=60))
+                                       timeout=datetime.timedelta(seconds=60))
     if rank == 0:
         store.set("uid", get_unique_id())
     uid = store.get("uid")
