@@ -494,8 +494,9 @@ def test_unmatched_self_recv_times_out_in_a_subprocess(tmp_path, on_timeout):
     out = proc.stdout + proc.stderr
     if "COMPLETED" in out:
         pytest.xfail("NCCL completed a recv from self with no matching send at world size 1")
-    if on_timeout == "teardown":
-        assert proc.returncode == 75 and "batch_isend_irecv (seq 0) did not complete within 2 s" in out, out
+    if on_timeout == "teardown":  # the default: the process ends, unless NCCL reports an error itself
+        assert (proc.returncode == 75 and "batch_isend_irecv (seq 0) did not complete within 2 s" in out) or \
+            "ERROR" in out, out
     else:
         assert "TIMEOUT True" in out or "ERROR" in out, out
 
