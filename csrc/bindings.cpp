@@ -209,7 +209,8 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("timeout_s") = py::none(),
            "Block the host until the op completes, bounded by timeout_s (default: the communicator's); on timeout "
-           "the communicator is aborted and CommTimeoutError raised.")
+           "the process ends (exit code 75), or with on_timeout='raise' the communicator is aborted and "
+           "CommTimeoutError raised.")
       .def_property_readonly("seq", &Work::seq)
       .def_property_readonly("op", [](const Work& w) { return std::string(w.op()); })
       .def("__repr__", [](const Work& w) { return "<pynccl._C.Work " + std::string(w.op()) + " seq=" + std::to_string(w.seq()) + ">"; });
