@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <set>
+
 #include "bucket.h"
 #include "check.h"
 #include "communicator.h"
@@ -155,6 +157,34 @@ PYBIND11_MODULE(_C, m) {
         return write_flight_record_file(name, rank, flight_record_json(name, rank, 2, 0, reason, 2, entries));
       },
       py::arg("name"), py::arg("rank"), py::arg("reason"));
+  m.attr("TIMEOUT_EXIT_CODE") = kTimeoutExitCode;
+  m.def(
+      "timeout_policy",
+      [](std::optional<std::string> on_timeout, std::optional<bool> blocking) {
+        const auto [is_blocking, raise_on_timeout] = resolve_timeout_policy(on_timeout, blocking);
+        py::dict d;
+        d["blocking"] = is_blocking;
+        d["on_timeout"] = raise_on_timeout ? "raise" : "teardown";
+        return d;
+      },
+      py::arg("on_timeout") = py::none(), py::arg("blocking") = py::none(),
+      "What a Communicator made with these arguments does: {'blocking': bool, 'on_timeout': 'teardown'|'raise'}; "
+      "None reads PYNCCL_ON_TIMEOUT and PYNCCL_NCCL_NONBLOCKING as the constructor does.");
+  m.def(
+      "_overdue_call_for_test",
+      [](const std::string& op, uint64_t seq, int64_t start_ns, int64_t now_ns, double timeout_s, bool cleared) {
+        // Test hook: the watchdog's view of a call into NCCL (ActiveCall), without a GPU.
+        static std::set<std::string> names;  // NOTE: ActiveCall keeps a pointer; set nodes never move (GIL held)
+        ActiveCall call;
+        call.set(names.insert(op).first->c_str(), seq, start_ns);
+        if (cleared) call.clear();
+        return call.overdue(now_ns, timeout_s);
+      },
+      py::arg("op"), py::arg("seq"), py::arg("start_ns"), py::arg("now_ns"), py::arg("timeout_s"),
+      py::arg("cleared") = false);
+  m.def(
+      "_tear_down_for_test", [](const std::string& message) { tear_down_process(message); }, py::arg("message"),
+      "Test hook: what the watchdog does on a time-out by default (message to stderr, exit code 75).");
   m.def("native_alltoall_available", [] { return optional_nccl_api().alltoall != nullptr; },
         "Whether ncclAlltoAll/Gather/Scatter (NCCL >= 2.28) are used.");
   m.def("pack", &pack, py::arg("tensors"), py::arg("flat"), py::arg("scale") = 1.0,
@@ -179,26 +209,34 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("timeout_s") = py::none(),
            "Block the host until the op completes, bounded by timeout_s (default: the communicator's); on timeout "
-           "the communicator is aborted and CommTimeoutError raised.")
+           "the process ends (exit code 75), or with on_timeout='raise' the communicator is aborted and "
+           "CommTimeoutError raised.")
       .def_property_readonly("seq", &Work::seq)
       .def_property_readonly("op", [](const Work& w) { return std::string(w.op()); })
       .def("__repr__", [](const Work& w) { return "<pynccl._C.Work " + std::string(w.op()) + " seq=" + std::to_string(w.seq()) + ">"; });
 
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
-      .def(py::init([](py::bytes unique_id, int world_size, int rank, int device, double timeout_s, bool blocking,
-                       std::string name, int cga_cluster_size, int min_ctas, int max_ctas) {
+      // blocking / on_timeout: None resolves them as init_process_group does (resolve_timeout_policy).
+      .def(py::init([](py::bytes unique_id, int world_size, int rank, int device, double timeout_s,
+                       std::optional<bool> blocking, std::string name, int cga_cluster_size, int min_ctas,
+                       int max_ctas, std::optional<std::string> on_timeout) {
              std::string id = unique_id;
-             CommOptions options{timeout_s, blocking, std::move(name), cga_cluster_size, min_ctas, max_ctas};
+             const auto [is_blocking, raise_on_timeout] = resolve_timeout_policy(on_timeout, blocking);
+             CommOptions options{timeout_s, is_blocking, raise_on_timeout, std::move(name), cga_cluster_size,
+                                 min_ctas, max_ctas};
              py::gil_scoped_release release;
              return std::make_shared<Communicator>(id, world_size, rank, device, std::move(options));
            }),
            py::arg("unique_id"), py::arg("world_size"), py::arg("rank"), py::arg("device"),
-           py::arg("timeout_s") = 600.0, py::arg("blocking") = false, py::arg("name") = "",
-           py::arg("cga_cluster_size") = -1, py::arg("min_ctas") = -1, py::arg("max_ctas") = -1)
+           py::arg("timeout_s") = 600.0, py::arg("blocking") = py::none(), py::arg("name") = "",
+           py::arg("cga_cluster_size") = -1, py::arg("min_ctas") = -1, py::arg("max_ctas") = -1,
+           py::arg("on_timeout") = py::none())
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def_property_readonly("device", &Communicator::device)
       .def_property_readonly("name", &Communicator::name)
+      .def_property_readonly("blocking", &Communicator::blocking)
+      .def_property_readonly("on_timeout", [](const Communicator& c) { return std::string(c.on_timeout()); })
       .def_property_readonly("seq", &Communicator::seq, "Ops enqueued so far.")
       .def_property("timeout_s", &Communicator::timeout_s, &Communicator::set_timeout_s)
       .def_property("track_sync_ops", &Communicator::track_sync_ops, &Communicator::set_track_sync_ops,

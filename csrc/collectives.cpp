@@ -251,12 +251,8 @@ void Communicator::barrier() {
   }
   events_->put(done);
   if (completed) return;
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.3g s", timeout_s());
-  const std::string msg = "barrier (seq " + std::to_string(seq) + ") did not complete within " + buf;
-  const std::string path = dump_flight_record(msg);
-  fail(/*is_timeout=*/true, msg + "; the communicator was aborted. Flight record: " + path, /*caller_in_flight=*/false);
-  throw TimeoutError(describe() + ": " + msg + "; the communicator was aborted. Flight record: " + path);
+  timed_out("barrier (seq " + std::to_string(seq) + ") did not complete within " + seconds_text(timeout_s()),
+            /*caller_in_flight=*/false, seq);
 }
 
 }  // namespace pynccl

@@ -1,8 +1,10 @@
-// Communicator life cycle: init from a unique id (non-blocking by default, so init, split and
-// finalize are all bounded by the timeout), split, abort, destroy, and the OpScope every op
-// goes through. The watchdog and flight recorder are in watchdog.cpp.
-#include "communicator.h"
+// Communicator life cycle: init from a unique id, split, abort, destroy. Each call that may
+// wait on a peer is bounded by the timeout: registered with the watchdog (blocking
+// communicators, the default) or polled here without the GIL (non-blocking ones, for
+// on_timeout=raise). The watchdog and flight recorder are in watchdog.cpp.
+#include <Python.h>  // NOTE: first, as Python requires; only for releasing the GIL while polling
 
+#include "communicator.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -69,56 +71,47 @@ ncclConfig_t make_config(const CommOptions& options) {
 // What wait_comm_ready returns when another thread started to abort the communicator.
 constexpr ncclResult_t kAbortRequested = ncclNumResults;  // never a real result
 
+// Releases the GIL for a wait if this thread holds it (the collectives' bindings keep it: the
+// enqueue is cheaper so, and only a non-blocking call that returned ncclInProgress waits here).
+class GilReleased {
+ public:
+  GilReleased() : saved_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~GilReleased() {
+    if (saved_ != nullptr) PyEval_RestoreThread(saved_);
+  }
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+
+ private:
+  PyThreadState* saved_;
+};
+
 // Polls ncclCommGetAsyncError until `comm` leaves ncclInProgress; returns its state, or
 // ncclInProgress when `timeout_s` passed first, or kAbortRequested as soon as `*state_flag`
 // leaves kOk (an abort waits for in-flight calls: this one must let it go ahead).
 ncclResult_t wait_comm_ready(ncclComm_t comm, double timeout_s, const std::atomic<int>* state_flag = nullptr) {
-  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
-  auto nap = std::chrono::microseconds(1);
-  for (int num_polls = 0;; ++num_polls) {
-    ncclResult_t state = ncclSuccess;
-    // ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError);
-    const ncclResult_t result = ncclCommGetAsyncError(comm, &state);
-    if (result != ncclSuccess) return result;
-    if (state != ncclInProgress) return state;
-    if (state_flag != nullptr && state_flag->load() != static_cast<int>(CommState::kOk)) return kAbortRequested;
-    if (Clock::now() > deadline) return ncclInProgress;
-    if (num_polls < 64) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, std::chrono::microseconds(1000));
-    }
-  }
+  ncclResult_t state = ncclInProgress;
+  const GilReleased no_gil;
+  const bool settled = poll_until(
+      [&] {
+        ncclResult_t async_state = ncclSuccess;
+        // ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError);
+        const ncclResult_t result = ncclCommGetAsyncError(comm, &async_state);
+        state = result != ncclSuccess ? result : async_state;
+        if (state != ncclInProgress) return true;
+        if (state_flag == nullptr || state_flag->load() == static_cast<int>(CommState::kOk)) return false;
+        state = kAbortRequested;
+        return true;
+      },
+      timeout_s);
+  return settled ? state : ncclInProgress;
 }
 
-std::string seconds_text(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.3g s", s);
-  return buf;
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
 }
-
-// Keeps in_flight_ raised for a call that is not an op (split, get_async_error).
-struct InFlight {
-  explicit InFlight(std::atomic<int>& count) : count(count) { count.fetch_add(1); }
-  ~InFlight() { count.fetch_sub(1); }
-  std::atomic<int>& count;
-};
 
 }  // namespace
-
-const char* op_state_name(OpState state) {
-  switch (state) {
-    case OpState::kEnqueued: return "enqueued";
-    case OpState::kCompleted: return "completed";
-    case OpState::kFailed: return "failed";
-    case OpState::kTimedOut: return "timed_out";
-    case OpState::kAborted: return "aborted";
-    case OpState::kCaptured: return "captured";
-    case OpState::kUntracked: return "untracked";
-  }
-  return "?";
-}
 
 Communicator::Communicator(const std::string& unique_id, int world_size, int rank, int device, CommOptions options)
     : world_size_(world_size), rank_(rank), device_(device), options_(std::move(options)),
@@ -154,42 +147,54 @@ Communicator::Communicator(const std::string& unique_id, int world_size, int ran
   ncclUniqueId id;
   std::memcpy(&id, unique_id.data(), sizeof(id));
   ncclConfig_t config = make_config(options_);
-  ncclComm_t comm = nullptr;
-  // ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
-  //                                     ncclConfig_t* config);
-  ncclResult_t result = ncclCommInitRankConfig(&comm, world_size, id, rank, &config);
-  if (comm != nullptr && (result == ncclInProgress || (result == ncclSuccess && !options_.blocking))) {
-    result = wait_comm_ready(comm, options_.timeout_s);
-  }
-  if (result != ncclSuccess) {
-    const std::string last = comm != nullptr ? ncclGetLastError(comm) : ncclGetLastError(nullptr);
-    if (comm != nullptr) (void)ncclCommAbort(comm);
-    const std::string where = "Communicator '" + options_.name + "' (rank " + std::to_string(rank) + " of " +
-                              std::to_string(world_size) + ", cuda:" + std::to_string(device) + "): ";
-    if (result == ncclInProgress) {
-      throw TimeoutError(where + "ncclCommInitRankConfig did not complete within " + seconds_text(options_.timeout_s) +
-                         "; the communicator was aborted (did every rank call it with the same unique id?)");
+  start();  // NOTE: the watchdog first: it bounds the (blocking by default) init below
+  try {
+    ncclComm_t comm = nullptr;
+    set_active("init", 0, now_ns());
+    // ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
+    //                                     ncclConfig_t* config);
+    ncclResult_t result = ncclCommInitRankConfig(&comm, world_size, id, rank, &config);
+    if (comm != nullptr && (result == ncclInProgress || (result == ncclSuccess && !options_.blocking))) {
+      result = wait_comm_ready(comm, options_.timeout_s);
     }
-    throw Error(where + "ncclCommInitRankConfig failed: " + ncclGetErrorString(result) +
-                (last.empty() ? "" : " (last NCCL error: " + last + ")"));
+    clear_active();
+    if (result != ncclSuccess) {
+      const std::string last = comm != nullptr ? ncclGetLastError(comm) : ncclGetLastError(nullptr);
+      if (comm != nullptr) (void)ncclCommAbort(comm);
+      if (result == ncclInProgress) {
+        timed_out("init (ncclCommInitRankConfig) did not complete within " + seconds_text(options_.timeout_s) +
+                      " (did every rank call it with the same unique id?)",
+                  /*caller_in_flight=*/false);
+      }
+      throw Error(describe() + ": ncclCommInitRankConfig failed: " + ncclGetErrorString(result) +
+                  (last.empty() ? "" : " (last NCCL error: " + last + ")"));
+    }
+    comm_ = comm;
+  } catch (...) {
+    stop_on_throw();
+    throw;
   }
-  comm_ = comm;
-  start_or_abort();
+  state_.store(static_cast<int>(CommState::kOk));
 }
 
 Communicator::Communicator(PrivateTag, ncclComm_t comm, int world_size, int rank, int device, CommOptions options)
     : world_size_(world_size), rank_(rank), device_(device), options_(std::move(options)), comm_(comm),
       timeout_s_(options_.timeout_s) {
-  start_or_abort();
-}
-
-void Communicator::start_or_abort() {
   try {
     start();
   } catch (...) {
     (void)ncclCommAbort(comm_);  // NOTE: the destructor does not run for a throwing constructor
     comm_ = nullptr;
+    stop_on_throw();
     throw;
+  }
+  state_.store(static_cast<int>(CommState::kOk));
+}
+
+void Communicator::stop_on_throw() noexcept {
+  try {
+    stop_watchdog();
+  } catch (...) {
   }
 }
 
@@ -213,10 +218,9 @@ Communicator::~Communicator() {
   // is aborted, which is local. Errors are swallowed: destructors never throw.
   try {
     stop_watchdog();
-    if (comm_ != nullptr) {
-      c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-      (void)ncclCommAbort(comm_);
-      comm_ = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(lifecycle_mutex_);
+      if (comm_ != nullptr && !abort_claimed_.exchange(true)) abort_now();
     }
     release_tracked();
   } catch (...) {
@@ -250,19 +254,19 @@ void Communicator::finish_nccl_call(ncclResult_t result, const char* call, const
     if (result == ncclSuccess) return;
     if (result == kAbortRequested) throw_unusable(scope.op_);
     if (result == ncclInProgress) {
-      // NOTE: worded as the watchdog's, Work.synchronize's and barrier's time-outs: "<op> (seq N)".
-      const std::string msg = std::string(scope.op_) + " (seq " + std::to_string(scope.seq_) +
-                              ") did not complete within " + seconds_text(timeout) + ": " + call +
-                              " was still in progress";
       scope.unfinished_state_ = OpState::kTimedOut;
       scope.record_entry(OpState::kTimedOut, 0);  // so the dump names the op
-      const std::string path = dump_flight_record(msg);
-      fail(/*is_timeout=*/true, msg + "; the communicator was aborted. Flight record: " + path,
-           /*caller_in_flight=*/true);
-      throw TimeoutError(describe() + ": " + msg + "; the communicator was aborted. Flight record: " + path);
+      // NOTE: worded as the watchdog's, Work.synchronize's and barrier's time-outs: "<op> (seq N)".
+      timed_out(std::string(scope.op_) + " (seq " + std::to_string(scope.seq_) + ") did not complete within " +
+                    seconds_text(timeout) + ": " + call + " was still in progress",
+                /*caller_in_flight=*/true);
     }
   }
-  throw_nccl_error(result, call, file, line, comm_);
+  try {
+    throw_nccl_error(result, call, file, line, comm_);
+  } catch (const Error& e) {  // NOTE: named as a time-out is: which op, which communicator
+    throw Error(describe() + ": " + scope.op_ + " (seq " + std::to_string(scope.seq_) + "): " + e.what());
+  }
 }
 
 void Communicator::fail(bool is_timeout, const std::string& message, bool caller_in_flight) {
@@ -274,19 +278,45 @@ void Communicator::fail(bool is_timeout, const std::string& message, bool caller
     }
   }
   stop_watchdog();  // a no-op on the watchdog thread itself
-  abort_nccl(caller_in_flight);
+  (void)abort_nccl(caller_in_flight);
 }
 
-void Communicator::abort_nccl(bool caller_in_flight) {
+void Communicator::timed_out(const std::string& what, bool caller_in_flight, uint64_t seq) {
+  if (seq != UINT64_MAX) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    set_entry_state(seq, OpState::kTimedOut);
+  }
+  const std::string path = dump_flight_record(what);
+  if (!options_.raise_on_timeout) tear_down_process(describe() + ": " + what + ". Flight record: " + path);
+  const std::string message = what + "; the communicator was aborted. Flight record: " + path;
+  fail(/*is_timeout=*/true, message, caller_in_flight);
+  throw TimeoutError(describe() + ": " + message);
+}
+
+bool Communicator::abort_nccl(bool caller_in_flight) {
   std::lock_guard<std::mutex> lock(lifecycle_mutex_);
   int expected = static_cast<int>(CommState::kOk);
   state_.compare_exchange_strong(expected, static_cast<int>(CommState::kAborted));
-  if (comm_ == nullptr) return;
-  // NOTE: state_ is set before in_flight_ is read, and ops raise in_flight_ before reading
-  // state_, so once in_flight_ drains no op can still be inside NCCL with comm_.
+  if (comm_ == nullptr || abort_claimed_.load()) return true;
+  abort_pending_.store(true);
+  // NOTE: state_ is set before in_flight_ is read, and calls raise in_flight_ before reading
+  // state_, so once in_flight_ drains no call can still be inside NCCL with comm_. A polling
+  // call (non-blocking) sees state_ and leaves within one poll; a call blocked inside NCCL may
+  // never leave: then the abort is its leave_call()'s (and its time-out the watchdog's).
   const int self = caller_in_flight ? 1 : 0;
-  const auto deadline = Clock::now() + std::chrono::seconds(10);
-  while (in_flight_.load() > self && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  if (!poll_until([&] { return in_flight_.load() <= self; }, 1.0)) return false;
+  if (!abort_claimed_.exchange(true)) abort_now();
+  return true;
+}
+
+void Communicator::finish_deferred_abort() {
+  if (abort_claimed_.exchange(true)) return;
+  std::lock_guard<std::mutex> lock(lifecycle_mutex_);
+  abort_now();
+}
+
+void Communicator::abort_now() {
+  if (comm_ == nullptr) return;
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));  // restores the caller's device
   // ncclResult_t ncclCommAbort(ncclComm_t comm);
   (void)ncclCommAbort(comm_);
@@ -335,38 +365,51 @@ void Communicator::drain_graveyard() {
 }
 
 void Communicator::abort() {
+  // NOTE: with a call still inside NCCL on another thread, that call aborts on its way out and
+  // the watchdog keeps bounding it; otherwise the communicator is gone here.
+  if (!abort_nccl(/*caller_in_flight=*/false)) return;
   stop_watchdog();
-  abort_nccl(/*caller_in_flight=*/false);
   release_tracked();
 }
 
 bool Communicator::is_aborted() const { return state_.load() == static_cast<int>(CommState::kAborted); }
 
 void Communicator::destroy() {
-  stop_watchdog();
   std::unique_lock<std::mutex> lock(lifecycle_mutex_);
+  const bool abort_deferred = abort_pending_.load() && !abort_claimed_.load();
   state_.store(static_cast<int>(CommState::kDestroyed));
-  if (comm_ == nullptr) {  // aborted earlier, or destroyed twice: nothing collective left to do
+  if (comm_ == nullptr || abort_claimed_.load() || abort_deferred) {  // aborted, or destroyed twice: nothing collective left
     lock.unlock();
+    if (abort_deferred) return;  // a call still inside NCCL aborts on its way out; the watchdog keeps bounding it
+    stop_watchdog();
     release_tracked();
     return;
   }
-  const auto deadline = Clock::now() + std::chrono::seconds(10);
-  while (in_flight_.load() > 0 && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::microseconds(50));
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   const double timeout = timeout_s();
+  if (!poll_until([this] { return in_flight_.load() == 0; }, timeout)) {
+    abort_pending_.store(true);  // the call still in flight aborts on its way out
+    if (in_flight_.load() == 0 && !abort_claimed_.exchange(true)) abort_now();
+    throw Error("destroy: " + describe() + ": a call on another thread stayed inside NCCL for " +
+                seconds_text(timeout) + "; the communicator is aborted when it returns");
+  }
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  // NOTE: the watchdog runs on until finalize returns: it bounds a blocking finalize too.
+  set_active("destroy", seq(), now_ns());
   // ncclResult_t ncclCommFinalize(ncclComm_t comm);
   ncclResult_t result = ncclCommFinalize(comm_);
   if (result == ncclInProgress || (result == ncclSuccess && !options_.blocking)) result = wait_comm_ready(comm_, timeout);
+  clear_active();
+  abort_claimed_.store(true);  // comm_ is retired below, whatever happens
   if (result != ncclSuccess) {
     const std::string last = ncclGetLastError(comm_);
-    (void)ncclCommAbort(comm_);
-    comm_ = nullptr;
+    abort_now();
     lock.unlock();
+    stop_watchdog();
     release_tracked();
     if (result == ncclInProgress) {
-      throw TimeoutError("destroy: ncclCommFinalize on " + describe() + " did not complete within " +
-                         seconds_text(timeout) + "; the communicator was aborted (did every rank call destroy?)");
+      timed_out("destroy (ncclCommFinalize) did not complete within " + seconds_text(timeout) +
+                    " (did every rank call destroy?)",
+                /*caller_in_flight=*/false);
     }
     throw Error("destroy: ncclCommFinalize on " + describe() + " failed: " + ncclGetErrorString(result) +
                 (last.empty() ? "" : " (last NCCL error: " + last + ")") + "; the communicator was aborted");
@@ -375,6 +418,7 @@ void Communicator::destroy() {
   result = ncclCommDestroy(comm_);
   comm_ = nullptr;
   lock.unlock();
+  stop_watchdog();
   release_tracked();
   if (result != ncclSuccess) throw_nccl_error(result, "ncclCommDestroy(comm_)", __FILE__, __LINE__, nullptr);
 }
@@ -389,9 +433,10 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, std::optio
   child.name = !name.empty() ? name : options_.name + ".split" + std::to_string(color);
   ncclConfig_t config = make_config(child);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  InFlight in_flight(in_flight_);
+  const InFlight in_flight(*this);
   check_usable("split");
   ncclComm_t new_comm = nullptr;
+  set_active("split", seq(), now_ns());
   // ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config);
   ncclResult_t result = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &new_comm, &config);
   if (result == ncclInProgress || (result == ncclSuccess && !options_.blocking)) {
@@ -399,13 +444,14 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, std::optio
     result = wait_comm_ready(comm_, timeout, &state_);
     if (result == ncclSuccess && new_comm != nullptr) result = wait_comm_ready(new_comm, timeout, &state_);
   }
+  clear_active();
   if (result != ncclSuccess) {
     if (new_comm != nullptr) (void)ncclCommAbort(new_comm);
     if (result == kAbortRequested) throw_unusable("split");
     if (result == ncclInProgress) {
-      const std::string msg = "split(color=" + std::to_string(color) + ") did not complete within " + seconds_text(timeout);
-      fail(/*is_timeout=*/true, msg, /*caller_in_flight=*/true);
-      throw TimeoutError(describe() + ": " + msg + "; the communicator was aborted");
+      timed_out("split (new_group '" + child.name + "', color " + std::to_string(color) +
+                    ") did not complete within " + seconds_text(timeout),
+                /*caller_in_flight=*/true);
     }
     throw_nccl_error(result, "ncclCommSplit", __FILE__, __LINE__, comm_);
   }
@@ -421,37 +467,6 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, std::optio
   }
   // NOTE: from here the child Communicator owns new_comm; its constructor aborts it if start() throws.
   return std::make_shared<Communicator>(PrivateTag{}, new_comm, new_size, new_rank, device_, std::move(child));
-}
-
-std::optional<std::string> Communicator::get_async_error() {
-  {
-    std::lock_guard<std::mutex> lock(error_mutex_);
-    if (!error_message_.empty()) return error_message_;
-  }
-  InFlight in_flight(in_flight_);
-  if (state_.load() != static_cast<int>(CommState::kOk)) return std::nullopt;
-  ncclResult_t state = ncclSuccess;
-  if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess || state == ncclSuccess || state == ncclInProgress) {
-    return std::nullopt;
-  }
-  const std::string last = ncclGetLastError(comm_);
-  return std::string(ncclGetErrorString(state)) + (last.empty() ? "" : " (last NCCL error: " + last + ")");
-}
-
-void Communicator::check() {
-  {
-    std::lock_guard<std::mutex> lock(error_mutex_);
-    if (!error_message_.empty()) {
-      const std::string msg = "check: " + describe() + " was aborted: " + error_message_;
-      if (error_is_timeout_) throw TimeoutError(msg);
-      throw Error(msg);
-    }
-  }
-  if (const auto error = get_async_error()) {
-    const std::string msg = "NCCL async error: " + *error;
-    fail(/*is_timeout=*/false, msg, /*caller_in_flight=*/false);
-    throw Error("check: " + describe() + " was aborted: " + msg);
-  }
 }
 
 }  // namespace pynccl

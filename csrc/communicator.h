@@ -2,7 +2,19 @@
 // its flight recorder. Collectives live in collectives.cpp / p2p.cpp and go through one
 // OpScope each, which picks the stream (docs/design.md §2), records the op in the flight recorder
 // and hands its completion event to the watchdog. Every NCCL call is made with in_flight_
-// raised, so abort() (from any thread) never frees the comm under a running call.
+// raised, so abort() (from any thread) never frees the comm under a running call: when a call
+// is still inside NCCL, the abort is left to that call's way out (leave_call).
+//
+// NOTE: why a watchdog that knows the call before it enters NCCL (issue 20). Blocking
+// communicators are the default (the cheapest enqueue), and a blocking NCCL call can wait on a
+// peer with no limit (init, split, finalize, the first connection of a p2p pair or algorithm),
+// holding the GIL. So each call writes {op, seq, start} into active_ first (three plain stores)
+// and the watchdog checks it with the GPU events: past the timeout, by default the process ends
+// (tear_down_process: flight record, one message, exit code 75, as torch's default
+// TORCH_NCCL_ASYNC_ERROR_HANDLING does), since NCCL cannot be interrupted safely while a thread
+// is inside it, and an aborted op's output must never reach the program as a result.
+// on_timeout=raise (PYNCCL_ON_TIMEOUT=raise) uses non-blocking communicators instead: every
+// wait is a poll on the calling thread, without the GIL, and a time-out aborts and raises.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,18 +34,34 @@
 #include <tuple>
 #include <vector>
 
+#include "poll.h"
 #include "work.h"
 
 namespace pynccl {
 
 struct CommOptions {
   double timeout_s = 600.0;
-  bool blocking = false;   // ncclConfig_t.blocking; non-blocking lets every wait be bounded
+  bool blocking = true;    // ncclConfig_t.blocking; non-blocking lets every wait be a poll
+  bool raise_on_timeout = false;  // on_timeout=raise: abort + CommTimeoutError; else end the process
   std::string name;        // shows up in errors, the flight record file and NCCL's logs
   int cga_cluster_size = -1;  // -1: NCCL's default
   int min_ctas = -1;
   int max_ctas = -1;
 };
+
+// The exit status of a process the watchdog ends on a time-out: EX_TEMPFAIL of sysexits.h
+// ("try again"), so that a launcher can tell it from a crash and restart the job.
+constexpr int kTimeoutExitCode = 75;
+
+// (blocking, raise_on_timeout) from the arguments, or where absent from PYNCCL_ON_TIMEOUT
+// ("teardown", the default, or "raise") and PYNCCL_NCCL_NONBLOCKING=1. raise needs a
+// non-blocking communicator (ValueError if blocking=True is asked with it).
+std::pair<bool, bool> resolve_timeout_policy(const std::optional<std::string>& on_timeout,
+                                             std::optional<bool> blocking);
+
+// Writes `message` to stderr and ends the process with kTimeoutExitCode, with no cleanup: no
+// Python, no lock, no NCCL call (another thread may be inside NCCL holding the GIL). watchdog.cpp.
+[[noreturn]] void tear_down_process(const std::string& message);
 
 enum class OpState : uint8_t { kEnqueued, kCompleted, kFailed, kTimedOut, kAborted, kCaptured, kUntracked };
 const char* op_state_name(OpState state);
@@ -65,7 +93,26 @@ struct TrackedOp {
   std::shared_ptr<WorkState> work;        // async ops only
 };
 
-enum class CommState : int { kOk = 0, kAborted = 1, kDestroyed = 2 };
+enum class CommState : int { kOk = 0, kAborted = 1, kDestroyed = 2, kStarting = 3 };
+
+// The NCCL call a thread is making on a communicator now; written before the call and cleared
+// after (start_ns == 0: none), read by the watchdog. Relaxed stores; start_ns is published last.
+// NOTE: one slot per communicator, since NCCL allows one thread at a time on a communicator.
+struct ActiveCall {
+  std::atomic<int64_t> start_ns{0};  // steady_clock, ns
+  std::atomic<const char*> op{nullptr};
+  std::atomic<uint64_t> seq{0};
+
+  void set(const char* op_name, uint64_t op_seq, int64_t start) {
+    op.store(op_name, std::memory_order_relaxed);
+    seq.store(op_seq, std::memory_order_relaxed);
+    start_ns.store(start, std::memory_order_release);
+  }
+  void clear() { start_ns.store(0, std::memory_order_release); }
+  // "<op> (seq N) did not complete within T: ..." if the call has been inside NCCL for longer
+  // than timeout_s at now_ns, else "". watchdog.cpp.
+  std::string overdue(int64_t now_ns, double timeout_s) const;
+};
 
 class OpScope;
 
@@ -145,6 +192,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void abort();    // local; idempotent
   void destroy();  // collective: ncclCommFinalize (bounded) + ncclCommDestroy; idempotent
   bool is_aborted() const;
+  bool blocking() const { return options_.blocking; }
+  const char* on_timeout() const { return options_.raise_on_timeout ? "raise" : "teardown"; }
   std::optional<std::string> get_async_error();
   void check();    // throws the stored error, or the comm's async error
   std::vector<FlightEntry> flight_record() const;  // oldest first
@@ -157,7 +206,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // `waiter` runs what is enqueued on it next only after everything already queued on
   // `producer` (an event of the pool, recorded and waited on; graph-capturable).
   void order_after(cudaStream_t waiter, cudaStream_t producer);
-  void start_or_abort();
+  // Stops the watchdog of a constructor that throws (the destructor does not run then).
+  void stop_on_throw() noexcept;
   std::shared_ptr<Work> all_reduce_impl(const char* fn, const at::Tensor& tensor, int op, bool async_op,
                                         double premul_factor, const at::Tensor* output);
   void check_usable(const char* fn) const {
@@ -172,7 +222,33 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Records `message` as this communicator's error (first one wins), stops the watchdog unless
   // called from it, and aborts. Any thread.
   void fail(bool is_timeout, const std::string& message, bool caller_in_flight);
-  void abort_nccl(bool caller_in_flight);
+  // A bounded wait for `what` ("all_reduce (seq 3) did not complete within 10 s") ran out on
+  // the calling thread: dumps the flight record; then ends the process (default), or aborts
+  // the communicator and throws TimeoutError (on_timeout=raise). `seq`: the op's flight entry
+  // is marked timed_out first (UINT64_MAX: none).
+  [[noreturn]] void timed_out(const std::string& what, bool caller_in_flight, uint64_t seq = UINT64_MAX);
+  // Marks the communicator aborted and calls ncclCommAbort once no call is in flight (besides
+  // the caller's own); with one still inside NCCL, leaves the ncclCommAbort to its leave_call()
+  // and returns false.
+  bool abort_nccl(bool caller_in_flight);
+  void abort_now();  // ncclCommAbort + comm_ = nullptr; lifecycle_mutex_ held, abort claimed
+  void enter_call() { in_flight_.fetch_add(1); }
+  void leave_call() {
+    if (__builtin_expect(in_flight_.fetch_sub(1) == 1 && abort_pending_.load(), 0)) finish_deferred_abort();
+  }
+  void finish_deferred_abort();
+  // Keeps in_flight_ raised for a call on comm_ that is not an op (split, get_async_error, the
+  // watchdog's ncclCommGetAsyncError).
+  struct InFlight {
+    explicit InFlight(Communicator& owner) : owner(owner) { owner.enter_call(); }
+    ~InFlight() { owner.leave_call(); }
+    InFlight(const InFlight&) = delete;
+    InFlight& operator=(const InFlight&) = delete;
+    Communicator& owner;
+  };
+  // Registers a call into NCCL for the watchdog (see ActiveCall); clear_active() after.
+  void set_active(const char* op, uint64_t seq, int64_t start_ns) { active_.set(op, seq, start_ns); }
+  void clear_active() { active_.clear(); }
   void stop_watchdog();
   void release_tracked();  // after the watchdog stopped: drop what it was watching (any thread, mutex_ inside)
   void drain_graveyard();
@@ -180,7 +256,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
   // watchdog.cpp
   void watchdog_loop();
-  bool watchdog_poll();  // false once the communicator failed
+  bool watchdog_poll();  // false once the communicator failed or was aborted
+  // A failure the watchdog found: marks the flight entries, dumps the record, then ends the
+  // process (default) or aborts the communicator (on_timeout=raise).
+  void watchdog_fail(const std::string& failure, bool is_timeout, uint64_t failed_seq);
   std::string dump_flight_record(const std::string& reason);
   void set_entry_state(uint64_t seq, OpState state);  // mutex_ held
 
@@ -198,7 +277,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::atomic<bool> track_sync_ops_{true};
   std::atomic<uint64_t> seq_{0};
   std::atomic<int> in_flight_{0};
-  std::atomic<int> state_{static_cast<int>(CommState::kOk)};
+  std::atomic<int> state_{static_cast<int>(CommState::kStarting)};
+  std::atomic<bool> abort_pending_{false};  // abort asked for; ncclCommAbort once in_flight_ drains
+  std::atomic<bool> abort_claimed_{false};  // the one thread that calls ncclCommAbort took it
+  ActiveCall active_;
 
   mutable std::mutex error_mutex_;
   std::string error_message_;  // why the communicator was aborted, if not by abort()
@@ -211,7 +293,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::vector<std::shared_ptr<WorkState>> graveyard_;  // released on the Python thread, not the watchdog
   std::atomic<bool> graveyard_nonempty_{false};
 
-  std::mutex lifecycle_mutex_;       // abort/destroy
+  std::mutex lifecycle_mutex_;       // abort/destroy: comm_ is retired under it
   std::mutex lifecycle_join_mutex_;  // joining the watchdog
   std::condition_variable watchdog_cv_;
   bool stop_watchdog_ = false;  // mutex_

@@ -1,5 +1,6 @@
 // OpScope: the bookkeeping every op shares around its NCCL calls (device guard, stream
-// choice, in-flight count, flight record, watchdog hand-off). Kept lean: it is the hot path.
+// choice, in-flight count, the watchdog's view of the call in progress, flight record,
+// watchdog hand-off). Kept lean: it is the hot path.
 #include <c10/cuda/CUDAStream.h>
 
 #include "check.h"
@@ -10,7 +11,7 @@ namespace pynccl {
 OpScope::OpScope(Communicator& owner, const char* op, c10::ScalarType dtype, int64_t count, int peer, bool async_op)
     : owner_(owner), guard_(static_cast<c10::DeviceIndex>(owner.device_)), op_(op), dtype_(dtype), count_(count),
       peer_(peer), async_op_(async_op) {
-  owner_.in_flight_.fetch_add(1);
+  owner_.enter_call();
   try {
     owner_.check_usable(op);
     if (owner_.graveyard_nonempty_.load(std::memory_order_relaxed)) owner_.drain_graveyard();
@@ -31,9 +32,13 @@ OpScope::OpScope(Communicator& owner, const char* op, c10::ScalarType dtype, int
     seq_ = owner_.seq_.fetch_add(1, std::memory_order_relaxed);
     enqueued_ = std::chrono::steady_clock::now();
   } catch (...) {
-    owner_.in_flight_.fetch_sub(1);
+    owner_.leave_call();
     throw;
   }
+  // NOTE: before any NCCL call of the op: a blocking call that never returns (a peer that never
+  // arrives at the first connection) is still seen by the watchdog. Three stores, no lock.
+  owner_.set_active(op_, seq_,
+                    std::chrono::duration_cast<std::chrono::nanoseconds>(enqueued_.time_since_epoch()).count());
 }
 
 std::shared_ptr<Work> OpScope::finish() {
@@ -89,7 +94,8 @@ OpScope::~OpScope() {
     } catch (...) {
     }
   }
-  owner_.in_flight_.fetch_sub(1);
+  owner_.clear_active();
+  owner_.leave_call();
 }
 
 }  // namespace pynccl

@@ -1,15 +1,18 @@
-// The watchdog thread and the flight recorder of a Communicator. The watchdog polls the end
-// events of outstanding ops and ncclCommGetAsyncError every PYNCCL_WATCHDOG_POLL_MS (100 ms);
-// an op older than timeout_s or an async error makes it dump the flight record as JSON and
-// abort the communicator; the next call from Python raises the stored error. It never runs
-// Python and never drops a tensor: finished WorkStates go to a graveyard the Python thread
-// empties, since releasing a tensor may need the GIL.
+// The watchdog thread and the flight recorder of a Communicator, and what a time-out does.
+// Every PYNCCL_WATCHDOG_POLL_MS (100 ms) the watchdog checks the call a thread is making into
+// NCCL (active_), the end events of outstanding ops and ncclCommGetAsyncError. A call or op
+// older than timeout_s, or an async error, makes it dump the flight record as JSON; then, by
+// default, it ends the process (tear_down_process), and with on_timeout=raise it aborts the
+// communicator and the next call from Python raises the stored error. It never runs Python
+// and never drops a tensor: finished WorkStates go to a graveyard the Python thread empties,
+// since releasing a tensor may need the GIL.
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "check.h"
@@ -50,13 +53,20 @@ std::string file_safe(const std::string& s) {
   return out;
 }
 
-std::string seconds_text(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.3g s", s);
-  return buf;
-}
-
 }  // namespace
+
+const char* op_state_name(OpState state) {
+  switch (state) {
+    case OpState::kEnqueued: return "enqueued";
+    case OpState::kCompleted: return "completed";
+    case OpState::kFailed: return "failed";
+    case OpState::kTimedOut: return "timed_out";
+    case OpState::kAborted: return "aborted";
+    case OpState::kCaptured: return "captured";
+    case OpState::kUntracked: return "untracked";
+  }
+  return "?";
+}
 
 void Communicator::watchdog_loop() {
   watchdog_id_.store(std::this_thread::get_id());
@@ -80,6 +90,21 @@ void Communicator::watchdog_loop() {
 bool Communicator::watchdog_poll() {
   const auto now = Clock::now();
   const auto timeout = std::chrono::duration<double>(timeout_s());
+  if (!options_.raise_on_timeout) {
+    // NOTE: checked in every state: a thread inside NCCL is a hang whether or not the
+    // communicator was aborted or is being destroyed meanwhile. With on_timeout=raise every
+    // such call is a poll on its own thread, bounded there.
+    const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count();
+    const std::string overdue = active_.overdue(now_ns, timeout.count());
+    if (!overdue.empty()) watchdog_fail("watchdog: " + overdue, /*is_timeout=*/true, active_.seq.load());
+  }
+  const int state = state_.load();
+  if (state != static_cast<int>(CommState::kOk)) {
+    // Starting (init), being destroyed (finalize), or aborted with a call still inside NCCL:
+    // only that call is watched.
+    return state == static_cast<int>(CommState::kStarting) || state == static_cast<int>(CommState::kDestroyed) ||
+           active_.start_ns.load() != 0;
+  }
   std::vector<uint64_t> completed;
   std::vector<cudaEvent_t> free_events;
   std::vector<std::shared_ptr<WorkState>> finished_work;
@@ -126,16 +151,29 @@ bool Communicator::watchdog_poll() {
     }
   }
   if (failure.empty()) {
-    ncclResult_t state = ncclSuccess;
-    if (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess && state != ncclInProgress) {
+    const InFlight in_flight(*this);  // NOTE: an abort on another thread waits for this call
+    ncclResult_t async_state = ncclSuccess;
+    if (state_.load() == static_cast<int>(CommState::kOk) && ncclCommGetAsyncError(comm_, &async_state) == ncclSuccess &&
+        async_state != ncclSuccess && async_state != ncclInProgress) {
       const std::string last = ncclGetLastError(comm_);
-      failure = std::string("watchdog: NCCL async error: ") + ncclGetErrorString(state) +
+      failure = std::string("watchdog: NCCL async error: ") + ncclGetErrorString(async_state) +
                 (last.empty() ? "" : " (last NCCL error: " + last + ")");
       failed_seq = UINT64_MAX;
+      // Name the op it hit, as a time-out does: the one a thread is inside NCCL for, else the oldest.
+      const char* active_op = active_.start_ns.load() != 0 ? active_.op.load() : nullptr;
+      if (active_op != nullptr || !watch_list_.empty()) {
+        failed_seq = active_op != nullptr ? active_.seq.load() : watch_list_.front().seq;
+        failure += std::string(" while ") + (active_op != nullptr ? active_op : watch_list_.front().op) + " (seq " +
+                   std::to_string(failed_seq) + ") was unfinished";
+      }
     }
   }
   if (failure.empty()) return true;
+  watchdog_fail(failure, is_timeout, failed_seq);
+  return false;
+}
 
+void Communicator::watchdog_fail(const std::string& failure, bool is_timeout, uint64_t failed_seq) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& op : watch_list_) {
@@ -144,8 +182,84 @@ bool Communicator::watchdog_poll() {
     }
   }
   const std::string path = dump_flight_record(failure);
+  if (!options_.raise_on_timeout) tear_down_process(describe() + ": " + failure + ". Flight record: " + path);
   fail(is_timeout, failure + "; the communicator was aborted. Flight record: " + path, /*caller_in_flight=*/false);
-  return false;
+}
+
+std::string ActiveCall::overdue(int64_t now_ns, double timeout_s) const {
+  const int64_t started = start_ns.load(std::memory_order_acquire);
+  if (started == 0 || static_cast<double>(now_ns - started) <= timeout_s * 1e9) return {};
+  const char* op_name = op.load(std::memory_order_relaxed);
+  const uint64_t op_seq = seq.load(std::memory_order_relaxed);
+  // NOTE: read again: the call may have returned (or another begun) while op and seq were read.
+  if (start_ns.load(std::memory_order_acquire) != started || op_name == nullptr) return {};
+  return std::string(op_name) + " (seq " + std::to_string(op_seq) + ") did not complete within " + seconds_text(timeout_s) +
+         ": this rank is still inside the NCCL call, waiting for a peer that did not arrive";
+}
+
+void tear_down_process(const std::string& message) {
+  // NOTE: write(2) and _exit(2) only: no stdio lock, no atexit handler, no Python, no NCCL
+  // call, any of which another thread (the one inside NCCL, holding the GIL) may be holding.
+  const std::string text =
+      "pynccl: " + message + "\npynccl: ending this process with exit code " + std::to_string(kTimeoutExitCode) +
+      " so that no result of the unfinished op reaches the program (PYNCCL_ON_TIMEOUT=raise raises "
+      "pynccl.CommTimeoutError instead); each rank's flight record names the op it was in.\n";
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(STDERR_FILENO, text.data() + done, text.size() - done);
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  ::_exit(kTimeoutExitCode);
+}
+
+std::pair<bool, bool> resolve_timeout_policy(const std::optional<std::string>& on_timeout,
+                                             std::optional<bool> blocking) {
+  const char* env_mode = std::getenv("PYNCCL_ON_TIMEOUT");
+  const std::string mode = on_timeout ? *on_timeout
+                           : (env_mode != nullptr && env_mode[0] != '\0') ? env_mode
+                                                                          : "teardown";
+  PYNCCL_CHECK_VALUE(mode == "teardown" || mode == "raise",
+                     "on_timeout (PYNCCL_ON_TIMEOUT) must be 'teardown' or 'raise', got '", mode, "'");
+  const bool raise = mode == "raise";
+  const char* env_nonblocking = std::getenv("PYNCCL_NCCL_NONBLOCKING");
+  const bool nonblocking_env = env_nonblocking != nullptr && std::string(env_nonblocking) == "1";
+  const bool is_blocking = blocking ? *blocking : !(raise || nonblocking_env);
+  PYNCCL_CHECK_VALUE(!(raise && is_blocking),
+                     "on_timeout='raise' needs a non-blocking communicator (a thread inside a blocking NCCL "
+                     "call cannot be interrupted), got blocking=True");
+  return {is_blocking, raise};
+}
+
+std::optional<std::string> Communicator::get_async_error() {
+  {
+    std::lock_guard<std::mutex> lock(error_mutex_);
+    if (!error_message_.empty()) return error_message_;
+  }
+  const InFlight in_flight(*this);
+  if (state_.load() != static_cast<int>(CommState::kOk)) return std::nullopt;
+  ncclResult_t state = ncclSuccess;
+  if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess || state == ncclSuccess || state == ncclInProgress) {
+    return std::nullopt;
+  }
+  const std::string last = ncclGetLastError(comm_);
+  return std::string(ncclGetErrorString(state)) + (last.empty() ? "" : " (last NCCL error: " + last + ")");
+}
+
+void Communicator::check() {
+  {
+    std::lock_guard<std::mutex> lock(error_mutex_);
+    if (!error_message_.empty()) {
+      const std::string msg = "check: " + describe() + " was aborted: " + error_message_;
+      if (error_is_timeout_) throw TimeoutError(msg);
+      throw Error(msg);
+    }
+  }
+  if (const auto error = get_async_error()) {
+    const std::string msg = "NCCL async error: " + *error;
+    fail(/*is_timeout=*/false, msg, /*caller_in_flight=*/false);
+    throw Error("check: " + describe() + " was aborted: " + msg);
+  }
 }
 
 void Communicator::set_entry_state(uint64_t seq, OpState state) {

@@ -3,12 +3,9 @@
 
 #include <c10/cuda/CUDAStream.h>
 
-#include <chrono>
-#include <cstdio>
-#include <thread>
-
 #include "check.h"
 #include "communicator.h"
+#include "poll.h"
 
 namespace pynccl {
 
@@ -54,21 +51,13 @@ void EventPool::put_many(const std::vector<cudaEvent_t>& events) {
 }
 
 bool wait_event(cudaEvent_t event, double timeout_s) {
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
-  auto nap = std::chrono::microseconds(1);
-  for (int num_polls = 0;; ++num_polls) {
-    const cudaError_t query = cudaEventQuery(event);
-    if (query == cudaSuccess) return true;
-    if (query != cudaErrorNotReady) PYNCCL_CHECK_CUDA(query);
-    if (Clock::now() > deadline) return false;
-    if (num_polls < 64) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, std::chrono::microseconds(1000));
-    }
-  }
+  return poll_until(
+      [event] {
+        const cudaError_t query = cudaEventQuery(event);
+        if (query != cudaSuccess && query != cudaErrorNotReady) PYNCCL_CHECK_CUDA(query);
+        return query == cudaSuccess;
+      },
+      timeout_s);
 }
 
 Work::Work(std::shared_ptr<Communicator> comm, std::shared_ptr<WorkState> state)
@@ -111,14 +100,9 @@ bool Work::synchronize(std::optional<double> timeout_s) {
   const double timeout = timeout_s.value_or(comm_->timeout_s());
   PYNCCL_CHECK_VALUE(timeout > 0, "synchronize: timeout_s must be > 0, got ", timeout);
   if (!wait_event(state_->event, timeout)) {
-    char buf[32];
-    std::snprintf(buf, sizeof(buf), "%.3g s", timeout);
-    const std::string msg = std::string("Work.synchronize: ") + state_->op + " (seq " + std::to_string(state_->seq) +
-                            ") did not complete within " + buf;
-    const std::string path = comm_->dump_flight_record(msg);
-    comm_->fail(/*is_timeout=*/true, msg + "; the communicator was aborted. Flight record: " + path,
-                /*caller_in_flight=*/false);
-    throw TimeoutError(comm_->describe() + ": " + msg + "; the communicator was aborted. Flight record: " + path);
+    comm_->timed_out(std::string("Work.synchronize: ") + state_->op + " (seq " + std::to_string(state_->seq) +
+                         ") did not complete within " + seconds_text(timeout),
+                     /*caller_in_flight=*/false, state_->seq);
   }
   // NOTE: an aborted communicator's kernels exit and its events complete: that is no success.
   throw_if_comm_failed();

@@ -50,7 +50,8 @@ struct WorkState {
   const cudaEvent_t event;  // recorded on the communicator's stream after the op
   const bool captured;      // enqueued while the stream was capturing a CUDA graph
   const std::shared_ptr<EventPool> pool;
-  // NOTE: only touched from the Python thread (the GIL orders it); the watchdog never reads it.
+  // NOTE: guarded by the GIL: only touched by bindings that hold it (Work.wait, release_tensors)
+  // and by the last owner's destructor; the watchdog never reads it. Every other field is const.
   std::vector<at::Tensor> tensors;
 };
 
@@ -67,8 +68,9 @@ class Work {
   // Non-blocking query of the op's end event.
   bool is_completed();
   // Host-blocking wait, bounded by timeout_s (default: the communicator's timeout); on
-  // timeout the communicator is aborted and pynccl::TimeoutError is thrown. Runs without the
-  // GIL, so it leaves the tensors alone: call release_tensors() after it, with the GIL held.
+  // timeout, as every time-out (Communicator::timed_out): the process ends, or with
+  // on_timeout=raise the communicator is aborted and pynccl::TimeoutError is thrown. Runs without
+  // the GIL, so it leaves the tensors alone: call release_tensors() after it, with the GIL held.
   bool synchronize(std::optional<double> timeout_s);
   // Lets go of the op's tensors once it is known complete. GIL held (see WorkState::tensors).
   void release_tensors();

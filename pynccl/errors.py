@@ -9,8 +9,17 @@ class PyncclError(RuntimeError):
     """An NCCL, CUDA or communication failure (not bad input: that is ValueError/TypeError)."""
 
 
+# The exit status of a process that pynccl ended on an NCCL time-out (the default; see
+# CommTimeoutError). EX_TEMPFAIL of sysexits.h: a launcher can tell it from a crash and retry.
+TIMEOUT_EXIT_CODE = 75
+
+
 class CommTimeoutError(PyncclError):
-    """A blocking wait ran past its group's timeout; the communicator has been aborted."""
+    """A wait ran past its group's timeout; the communicator has been aborted.
+
+    On the nccl backend this is raised only with on_timeout="raise" (PYNCCL_ON_TIMEOUT=raise); by
+    default a time-out ends the process with TIMEOUT_EXIT_CODE after writing the flight record
+    and one message to stderr, so that no output of an unfinished op is ever used as a result."""
 
 
 class CollectiveMismatchError(PyncclError):

@@ -59,12 +59,13 @@ def gpu_sleep(seconds):
     torch.cuda._sleep(int(seconds * _CYCLES_PER_S[0]))
 
 
-def new_comm(name, timeout_s=60.0, **env):
-    """A fresh world-size-1 communicator; `env` sets PYNCCL_* variables read at creation."""
+def new_comm(name, timeout_s=60.0, on_timeout=None, **env):
+    """A fresh world-size-1 communicator, made as init_process_group makes one (blocking, a
+    time-out ends the process) unless on_timeout="raise"; `env` sets PYNCCL_* variables."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update({k: str(v) for k, v in env.items()})
     try:
-        return C.Communicator(C.get_unique_id(), 1, 0, 0, timeout_s=timeout_s, name=name)
+        return C.Communicator(C.get_unique_id(), 1, 0, 0, timeout_s=timeout_s, name=name, on_timeout=on_timeout)
     finally:
         for k, v in saved.items():
             if v is None:

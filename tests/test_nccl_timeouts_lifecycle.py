@@ -17,9 +17,44 @@ from nccl_single_gpu_common import GPU_MARKS, C, gpu_sleep, new_comm, comm  # no
 pytestmark = GPU_MARKS
 
 # ----------------------------------------------------------------------------- timeouts
+_TEARDOWN = """
+import sys, torch
+from pynccl import _ext
+C = _ext._C
+comm = C.Communicator(C.get_unique_id(), 1, 0, 0, timeout_s=1.0, name="td")
+print("POLICY", comm.blocking, comm.on_timeout, flush=True)
+t = torch.ones(4, device="cuda")
+comm.all_reduce(t)
+torch.cuda.synchronize()
+torch.cuda._sleep(int(sys.argv[1]))
+comm.all_reduce(t)  # stuck behind the sleep past the 1 s timeout
+torch.cuda.synchronize()
+print("CONSUMED", t.sum().item(), flush=True)
+"""
+
+
+def test_default_timeout_ends_the_process(tmp_path):
+    gpu_sleep(0.01)  # calibrates _CYCLES_PER_S
+    env = dict(os.environ, PYNCCL_FLIGHT_RECORDER_DIR=str(tmp_path))
+    env.pop("PYNCCL_ON_TIMEOUT", None)
+    env.pop("PYNCCL_NCCL_NONBLOCKING", None)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _TEARDOWN, str(int(20.0 * _CYCLES_PER_S[0]))], capture_output=True,
+                          text=True, timeout=90, env=env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 75, (proc.returncode, proc.stdout, proc.stderr)
+    assert "POLICY True teardown" in proc.stdout and "CONSUMED" not in proc.stdout, proc.stdout
+    assert re.search(r"pynccl: communicator 'td' .*all_reduce \(seq 1\) did not complete within 1 s", proc.stderr), \
+        proc.stderr
+    path = re.search(r"Flight record: (\S+\.json)", proc.stderr).group(1)
+    states = {e["seq"]: e["state"] for e in json.load(open(path))["entries"]}
+    assert states == {0: "completed", 1: "timed_out"}
+    assert elapsed < 15.0, elapsed  # before the 20 s sleep ended: the process did not wait for the op
+
+
 def test_watchdog_times_out_a_sync_op_and_aborts(tmp_path, monkeypatch):
     monkeypatch.setenv("PYNCCL_FLIGHT_RECORDER_DIR", str(tmp_path))
-    comm = new_comm("wd", timeout_s=0.5, PYNCCL_WATCHDOG_POLL_MS=20)
+    comm = new_comm("wd", timeout_s=0.5, on_timeout="raise", PYNCCL_WATCHDOG_POLL_MS=20)
     t = torch.ones(4, device="cuda")
     comm.all_reduce(t)  # completes: recorded as "completed"
     torch.cuda.synchronize()
@@ -51,7 +86,7 @@ def test_watchdog_times_out_a_sync_op_and_aborts(tmp_path, monkeypatch):
 
 def test_barrier_timeout_raises_and_aborts(tmp_path, monkeypatch):
     monkeypatch.setenv("PYNCCL_FLIGHT_RECORDER_DIR", str(tmp_path))
-    comm = new_comm("bar", timeout_s=0.3)
+    comm = new_comm("bar", timeout_s=0.3, on_timeout="raise")
     comm.barrier()
     gpu_sleep(3.0)
     start = time.monotonic()
@@ -66,7 +101,7 @@ def test_barrier_timeout_raises_and_aborts(tmp_path, monkeypatch):
 
 def test_work_synchronize_timeout_raises_and_aborts(tmp_path, monkeypatch):
     monkeypatch.setenv("PYNCCL_FLIGHT_RECORDER_DIR", str(tmp_path))
-    comm = new_comm("sync", timeout_s=30.0)
+    comm = new_comm("sync", timeout_s=30.0, on_timeout="raise")
     t = torch.ones(4, device="cuda")
     gpu_sleep(3.0)
     work = comm.all_reduce(t, ReduceOp.SUM, True)
@@ -83,7 +118,7 @@ import os, sys, torch
 from pynccl import _ext
 from pynccl.errors import CommTimeoutError, PyncclError
 C = _ext._C
-comm = C.Communicator(C.get_unique_id(), 1, 0, 0, timeout_s=2.0, name="selfrecv")
+comm = C.Communicator(C.get_unique_id(), 1, 0, 0, timeout_s=2.0, name="selfrecv", on_timeout=sys.argv[1])
 t = torch.zeros(16, device="cuda")
 try:
     comm.batch_isend_irecv([(False, t, 0)]).synchronize()
@@ -96,13 +131,19 @@ os._exit(0)
 """
 
 
-def test_unmatched_self_recv_times_out_in_a_subprocess(tmp_path):
+@pytest.mark.parametrize("on_timeout", ["raise", "teardown"])
+def test_unmatched_self_recv_times_out_in_a_subprocess(tmp_path, on_timeout):
     env = dict(os.environ, PYNCCL_FLIGHT_RECORDER_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", _SELF_RECV], capture_output=True, text=True, timeout=45, env=env)
+    proc = subprocess.run([sys.executable, "-c", _SELF_RECV, on_timeout], capture_output=True, text=True, timeout=45,
+                          env=env)
     out = proc.stdout + proc.stderr
     if "COMPLETED" in out:
         pytest.xfail("NCCL completed a recv from self with no matching send at world size 1")
-    assert "TIMEOUT True" in out or "ERROR" in out, out
+    if on_timeout == "teardown":  # the default: the process ends, unless NCCL reports an error itself
+        assert (proc.returncode == 75 and "batch_isend_irecv (seq 0) did not complete within 2 s" in out) or \
+            "ERROR" in out, out
+    else:
+        assert "TIMEOUT True" in out or "ERROR" in out, out
 
 
 # ----------------------------------------------------------------------------- life cycle

@@ -1,7 +1,9 @@
-"""Fault tests on NCCL across GPUs (skipped with fewer than 2): a killed rank and a skipped
-collective surface as exceptions on the survivors within the timeout, never as a hang; the
-processes can still exit cleanly afterwards. (The single-GPU watchdog and abort tests are in
-test_nccl_timeouts_lifecycle.py; the same scenarios on gloo run in CI in test_reliability.py.)"""
+"""Fault tests on NCCL across GPUs (skipped with fewer than 2), with on_timeout=raise
+(PYNCCL_ON_TIMEOUT=raise): a killed rank and a skipped collective surface as exceptions on the
+survivors within the timeout, never as a hang; the processes can still exit cleanly afterwards.
+(The default, which ends the process, and more faults: test_faults_gpu.py. The single-GPU
+watchdog and abort tests are in test_nccl_timeouts_lifecycle.py; the same scenarios on gloo run in CI
+in test_reliability.py.)"""
 import os
 import signal
 import time
@@ -13,6 +15,7 @@ import pynccl
 from pynccl.testing import run_multiprocess
 
 TIMEOUT_S = 5.0
+RAISE = {"PYNCCL_ON_TIMEOUT": "raise"}
 needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
@@ -55,7 +58,7 @@ def _skipped_collective(rank, ws):
 def test_killed_rank_surfaces_on_nccl():
     n = min(torch.cuda.device_count(), 4)
     out = run_multiprocess(_killed_rank, n, backend="nccl", start_method="spawn", timeout=120,
-                           init_kwargs={"timeout": TIMEOUT_S}, expect_failure_ranks=[1])
+                           init_kwargs={"timeout": TIMEOUT_S}, expect_failure_ranks=[1], env=RAISE)
     for r in range(n):
         if r != 1:
             elapsed, msg = out[r]
@@ -66,7 +69,7 @@ def test_killed_rank_surfaces_on_nccl():
 @needs_2_gpus
 def test_skipped_collective_times_out_on_nccl():
     out = run_multiprocess(_skipped_collective, 2, backend="nccl", start_method="spawn", timeout=120,
-                           init_kwargs={"timeout": TIMEOUT_S})
+                           init_kwargs={"timeout": TIMEOUT_S}, env=RAISE)
     elapsed, msg = out[0]
     assert elapsed < TIMEOUT_S + 10, (elapsed, msg)
     assert "'world'" in msg and "seq" in msg and "did not complete within" in msg, msg

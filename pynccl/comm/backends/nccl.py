@@ -25,13 +25,16 @@ from pynccl.comm.backends.base import Backend
 class NcclOptions:
     """ncclConfig_t fields a user may set (-1: NCCL's default)."""
 
-    # NOTE: blocking by default. A non-blocking communicator bounds init/split/finalize by the
-    # timeout, but every collective then returns ncclInProgress and is polled to completion:
-    # measured on 4 H200s, 150-200 us of host time per enqueue against torch's ~50 (RESULTS.md).
-    # The store rendezvous has already seen every rank arrive before NCCL init, and the watchdog
-    # still aborts a hung op; PYNCCL_NCCL_NONBLOCKING=1 picks the fully bounded mode.
-    blocking: bool = dataclasses.field(
-        default_factory=lambda: os.environ.get("PYNCCL_NCCL_NONBLOCKING", "0") != "1")
+    # NOTE: None = as the environment says, resolved in C++ (_C.timeout_policy), so that a
+    # Communicator made directly behaves as init_process_group's. Blocking by default: a
+    # non-blocking communicator returns ncclInProgress from every collective, polled to
+    # completion: 150-200 us of host time per enqueue on 4 H200s against torch's ~50
+    # (RESULTS.md). Blocking calls are bounded by the watchdog instead, which sees each call
+    # before it enters NCCL and, past the timeout, ends the process (exit code 75).
+    # on_timeout="raise" (PYNCCL_ON_TIMEOUT=raise) aborts and raises CommTimeoutError instead;
+    # it needs, and picks, non-blocking communicators. PYNCCL_NCCL_NONBLOCKING=1: non-blocking.
+    blocking: Optional[bool] = None
+    on_timeout: Optional[str] = None  # "teardown" (default) or "raise"
     name: str = ""                # shows in errors, the flight record file and NCCL's logs
     cga_cluster_size: int = -1
     min_ctas: int = -1
@@ -119,7 +122,7 @@ class NcclBackend(_CppOps, Backend):
         comm = c.Communicator(bytes(unique_id), int(world_size), int(rank), _device_index(device),
                               timeout_s=_seconds(timeout), blocking=options.blocking, name=options.name,
                               cga_cluster_size=options.cga_cluster_size, min_ctas=options.min_ctas,
-                              max_ctas=options.max_ctas)
+                              max_ctas=options.max_ctas, on_timeout=options.on_timeout)
         return cls(comm)
 
     def __repr__(self):
@@ -158,9 +161,9 @@ class NcclBackend(_CppOps, Backend):
         return None if child is None else NcclBackend(child)
 
     def destroy(self):
-        """Collective: ncclCommFinalize then ncclCommDestroy. Bounded by the timeout on
-        non-blocking communicators (PYNCCL_NCCL_NONBLOCKING=1); a blocking one (the default) waits
-        inside NCCL until every rank finalizes and no CUDA graph still holds its operations."""
+        """Collective: ncclCommFinalize then ncclCommDestroy, bounded by the timeout (a blocking
+        finalize by the watchdog: past it, the process ends as on any time-out). Returns at once
+        on an aborted communicator."""
         self.comm.destroy()
 
     def abort(self):
