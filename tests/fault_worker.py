@@ -108,7 +108,7 @@ def missing_at_rendezvous(rank, ws):
 
 def missing_at_nccl_init(rank, ws):
     """Every rank takes the unique id, then the victim leaves before ncclCommInitRankConfig."""
-    from pynccl.backends.nccl import NcclBackend, get_unique_id
+    from pynccl.comm.backends.nccl import NcclBackend, get_unique_id
     store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ws, rank == 0,
                                        timeout=datetime.timedelta(seconds=60))
     if rank == 0:

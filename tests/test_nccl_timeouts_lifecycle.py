@@ -12,7 +12,7 @@ import torch
 
 from pynccl.errors import CommTimeoutError, PyncclError
 from pynccl.comm.reduce_op import ReduceOp
-from nccl_single_gpu_common import GPU_MARKS, C, gpu_sleep, new_comm, comm  # noqa: F401 (fixtures)
+from nccl_single_gpu_common import _CYCLES_PER_S, GPU_MARKS, C, gpu_sleep, new_comm, comm  # noqa: F401 (fixtures)
 
 pytestmark = GPU_MARKS
 

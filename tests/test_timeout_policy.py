@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pynccl import _ext
-from pynccl.backends.nccl import NcclOptions
+from pynccl.comm.backends.nccl import NcclOptions
 from pynccl.errors import TIMEOUT_EXIT_CODE
 
 pytestmark = pytest.mark.skipif(not _ext.available(), reason=f"pynccl._C not built: {_ext.import_error()!r}")
