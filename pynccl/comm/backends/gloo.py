@@ -63,8 +63,9 @@ class GlooWork(Work):
 class GlooBackend(Backend):
     name = "gloo"
 
-    def __init__(self, pg, rank: int, world_size: int, timeout_s: float, group_name: str):
+    def __init__(self, pg, rank: int, world_size: int, timeout_s: float, group_name: str, owns_pg: bool = True):
         self.pg = pg
+        self.owns_pg = owns_pg       # False for a torch group the user made (torch_interop.py): never destroyed here
         self.rank = rank
         self.world_size = world_size
         self.device = _CPU
@@ -345,7 +346,7 @@ class GlooBackend(Backend):
 
     def destroy(self):
         self._destroyed = True
-        if self.pg is not tdist.group.WORLD and tdist.is_initialized():
+        if self.owns_pg and self.pg is not tdist.group.WORLD and tdist.is_initialized():
             try:
                 tdist.destroy_process_group(self.pg)
             except (ValueError, RuntimeError):
