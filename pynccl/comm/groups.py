@@ -352,3 +352,22 @@ def abort_process_group(group=None) -> None:
         _state.reset()
 
 
+
+
+# ----------------------------------------------------------------------------- availability
+def is_available() -> bool:
+    """torch's is_available: whether the distributed package works here (torch.distributed, under
+    every pynccl group, is built)."""
+    import torch.distributed as tdist
+    return tdist.is_available()
+
+
+def is_nccl_available() -> bool:
+    """Whether backend='nccl' can run: pynccl's extension is built and loaded."""
+    from .. import _ext
+    return _ext._C is not None
+
+
+def is_gloo_available() -> bool:
+    import torch.distributed as tdist
+    return tdist.is_available() and tdist.is_gloo_available()
