@@ -318,6 +318,8 @@ def destroy_process_group(group=None) -> None:
     _destroy_one(g)
     if g in _state.groups:
         _state.groups.remove(g)
+    for torch_pg in [k for k, v in _state.torch_groups.items() if v is g]:
+        del _state.torch_groups[torch_pg]   # a later use of that torch group maps it afresh
 
 
 def _let_gloo_workers_finish() -> None:
