@@ -225,6 +225,10 @@ def test_init_process_group_signature_is_torchs():
     # torch's documented nine, in order (torch 2.14 has private ones after them); then pynccl's own
     assert ours == theirs[:9] + ["check_collectives"] and theirs[8] == "device_id"
     assert inspect.signature(pynccl.init_process_group).parameters["check_collectives"].kind == inspect.Parameter.KEYWORD_ONLY
+    with pytest.raises(TypeError, match="pg_options must be a pynccl NcclOptions"):
+        pynccl.init_process_group("gloo", pg_options=object())
+    with pytest.raises(ValueError, match="a pynccl group has one backend"):
+        pynccl.init_process_group("cpu:gloo,cuda:nccl")
 
 
 # ----------------------------------------------------------------------------- GPU (nccl)

@@ -151,9 +151,11 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         raise ValueError(f"init_process_group: backend must be 'nccl' or 'gloo' (or None), got {backend!r}; a pynccl "
                          f"group has one backend (torch's 'cpu:gloo,cuda:nccl' maps to 'nccl': CPU-side helpers "
                          f"run on the gloo torch.distributed group pynccl sets up)")
-    if pg_options is not None and backend != "nccl":
-        raise ValueError(f"init_process_group: pg_options is only for backend='nccl' (NcclOptions), got "
-                         f"{type(pg_options).__name__} with backend={backend!r}")
+    if pg_options is not None:
+        from .backends.nccl import NcclOptions
+        if backend != "nccl" or not isinstance(pg_options, (NcclOptions, dict)):
+            raise TypeError(f"init_process_group: pg_options must be a pynccl NcclOptions (or a dict of its "
+                            f"fields) with backend='nccl', got {type(pg_options).__name__} with backend={backend!r}")
     if _state.initialized:
         raise RuntimeError("init_process_group: the default process group is already initialized; "
                            "call pynccl.destroy_process_group() first")
