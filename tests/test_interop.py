@@ -59,6 +59,8 @@ def _check_mapped(rank, group, ranks):
         out = torch.empty(4)
         pynccl.all_gather_into_tensor(out, torch.full((2,), float(rank)), group=group)
         assert out.tolist() == [float(ranks[0])] * 2 + [float(ranks[1])] * 2
+        y = pynccl.tensor_parallel.reduce_from_tensor_parallel_region(torch.full((2,), rank + 1.0), group=group)
+        assert y.tolist() == [float(sum(r + 1 for r in ranks))] * 2           # TP's autograd functions too
         # the way back: the torch group a pynccl group was mapped from
         assert g.torch_group is group and pynccl.to_torch_group(g) is group
         assert pynccl.get_global_rank(group, 1) == tdist.get_global_rank(group, 1) == ranks[1]
