@@ -149,7 +149,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     backend = _default_backend() if backend is None else str(backend)
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"init_process_group: backend must be 'nccl' or 'gloo' (or None), got {backend!r}; a pynccl "
-                         f"group has one backend (torch's 'cpu:gloo,cuda:nccl' maps to 'nccl': CPU-side helpers "
+                         f"group has one backend (for torch's 'cpu:gloo,cuda:nccl' pass 'nccl': CPU-side helpers "
                          f"run on the gloo torch.distributed group pynccl sets up)")
     if pg_options is not None:
         from .backends.nccl import NcclOptions
