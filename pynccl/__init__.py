@@ -6,14 +6,10 @@ parallelism written once on top of it.
 """
 from ._ext import nccl_version
 from .comm.backends.base import P2POp, Work
-from .comm.distributed import (ProcessGroup, abort_process_group, flight_record, all_gather, all_gather_into_tensor,
-                          all_gather_object, all_reduce, all_to_all, all_to_all_single, barrier, batch_isend_irecv,
-                          broadcast, broadcast_object_list, destroy_process_group, gather, get_backend,
-                          get_default_group, get_device, get_process_group_ranks, get_rank, get_store,
-                          get_world_size, init_process_group, irecv, is_initialized, isend, new_group, recv,
-                          reduce, reduce_scatter, reduce_scatter_tensor, scatter, send)
+from .comm.distributed import *  # noqa: F401,F403 - the torch.distributed-like API (comm/distributed.py)
 from .errors import CollectiveMismatchError, CommTimeoutError, PyncclError
 from .comm.reduce_op import ReduceOp
+from torch.distributed import GroupMember  # split_group returns its NON_GROUP_MEMBER, as torch's
 
 __version__ = "0.1.0"
 

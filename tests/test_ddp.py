@@ -322,8 +322,11 @@ def _check_hooks_and_errors(rank, ws):
     with pytest.raises(RuntimeError, match="only be called once"):
         ddp.register_comm_hook(None, comm_hooks.allreduce_hook)
 
+    # a torch group is accepted, as the pynccl group of its ranks (issue #17); anything else is not
+    assert pynccl.DistributedDataParallel(_mlp(), process_group=tdist.group.WORLD).process_group \
+        is pynccl.get_default_group()
     with pytest.raises(TypeError, match="pynccl ProcessGroup"):
-        pynccl.DistributedDataParallel(_mlp(), process_group=tdist.group.WORLD)
+        pynccl.DistributedDataParallel(_mlp(), process_group="world")
     with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
         pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=-1)
     with pytest.raises(TypeError, match="torch.nn.Module"):

@@ -15,6 +15,7 @@ import torch
 from .backends.base import P2POp, Work
 from .groups import _state, resolve_group
 from .reduce_op import ReduceOp
+from .work_future import remember
 
 
 # ----------------------------------------------------------------------------- checks
@@ -49,20 +50,32 @@ def _check_size_multiple(fn: str, big_name: str, big: torch.Tensor, small_name: 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     # NOTE: hot path. No Python-side checks: the backend validates (C++ for nccl).
     if group is None:
-        return _state.world.backend.all_reduce(tensor, op, async_op)
-    return resolve_group(group).backend.all_reduce(tensor, op, async_op)
+        work = _state.world.backend.all_reduce(tensor, op, async_op)
+    else:
+        work = resolve_group(group).backend.all_reduce(tensor, op, async_op)
+    return work if work is None else _async(work, [tensor])
+
+
+def _async(work, outputs):
+    """An async op's Work, its outputs remembered for Work.get_future (work_future.py)."""
+    remember(work, outputs)
+    return work
 
 
 def broadcast(tensor, src, group=None, async_op=False):
     g = resolve_group(group)
     _check_tensor("broadcast", "tensor", tensor)
-    return g.backend.broadcast(tensor, g.group_rank(src, "src"), async_op)
+    return _ret(g.backend.broadcast(tensor, g.group_rank(src, "src"), async_op), [tensor])
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
     g = resolve_group(group)
     _check_tensor("reduce", "tensor", tensor)
-    return g.backend.reduce(tensor, g.group_rank(dst, "dst"), op, async_op)
+    return _ret(g.backend.reduce(tensor, g.group_rank(dst, "dst"), op, async_op), [tensor])
+
+
+def _ret(work, outputs):
+    return work if work is None else _async(work, outputs)
 
 
 def _check_list_pair(fn: str, name: str, t: torch.Tensor, list_name: str, lst, n: int):
@@ -76,7 +89,7 @@ def _check_list_pair(fn: str, name: str, t: torch.Tensor, list_name: str, lst, n
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     g = resolve_group(group)
     _check_list_pair("all_gather", "tensor", tensor, "tensor_list", tensor_list, g.backend.world_size)
-    return g.backend.all_gather(list(tensor_list), tensor, async_op)
+    return _ret(g.backend.all_gather(list(tensor_list), tensor, async_op), [list(tensor_list)])
 
 
 def _check_flat_pair(fn: str, output: torch.Tensor, input: torch.Tensor, n: int, output_is_whole: bool):
@@ -93,19 +106,19 @@ def _check_flat_pair(fn: str, output: torch.Tensor, input: torch.Tensor, n: int,
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     g = resolve_group(group)
     _check_flat_pair("all_gather_into_tensor", output_tensor, input_tensor, g.backend.world_size, output_is_whole=True)
-    return g.backend.all_gather_into_tensor(output_tensor, input_tensor, async_op)
+    return _ret(g.backend.all_gather_into_tensor(output_tensor, input_tensor, async_op), [output_tensor])
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     g = resolve_group(group)
     _check_list_pair("reduce_scatter", "output", output, "input_list", input_list, g.backend.world_size)
-    return g.backend.reduce_scatter(output, list(input_list), op, async_op)
+    return _ret(g.backend.reduce_scatter(output, list(input_list), op, async_op), [output])
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
     g = resolve_group(group)
     _check_flat_pair("reduce_scatter_tensor", output, input, g.backend.world_size, output_is_whole=False)
-    return g.backend.reduce_scatter_tensor(output, input, op, async_op)
+    return _ret(g.backend.reduce_scatter_tensor(output, input, op, async_op), [output])
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -116,7 +129,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     ref = input_tensor_list[0]
     for t in list(input_tensor_list) + list(output_tensor_list):
         _check_same("all_to_all", "input_tensor_list[0]", ref, "every tensor", t)
-    return g.backend.all_to_all(list(output_tensor_list), list(input_tensor_list), async_op)
+    return _ret(g.backend.all_to_all(list(output_tensor_list), list(input_tensor_list), async_op),
+                [list(output_tensor_list)])
 
 
 def _check_splits(fn: str, name: str, splits, t: torch.Tensor, n: int):
@@ -151,7 +165,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if output.dim() and input.dim() and output[0:0].shape[1:] != input[0:0].shape[1:]:
         raise ValueError(f"{fn}: output rows have shape {tuple(output.shape[1:])}, input rows "
                          f"{tuple(input.shape[1:])}; they must match")
-    return g.backend.all_to_all_single(output, input, out_splits, in_splits, async_op)
+    return _ret(g.backend.all_to_all_single(output, input, out_splits, in_splits, async_op), [output])
 
 
 def _rooted_list_args(fn: str, g, tensor, tensor_list, root_rank: int, root_name: str, list_name: str):
@@ -173,13 +187,13 @@ def _rooted_list_args(fn: str, g, tensor, tensor_list, root_rank: int, root_name
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
     g = resolve_group(group)
     root, gather_list = _rooted_list_args("gather", g, tensor, gather_list, dst, "dst", "gather_list")
-    return g.backend.gather(tensor, gather_list, root, async_op)
+    return _ret(g.backend.gather(tensor, gather_list, root, async_op), [gather_list or []])
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
     g = resolve_group(group)
     root, scatter_list = _rooted_list_args("scatter", g, tensor, scatter_list, src, "src", "scatter_list")
-    return g.backend.scatter(tensor, scatter_list, root, async_op)
+    return _ret(g.backend.scatter(tensor, scatter_list, root, async_op), [tensor])
 
 
 def send(tensor, dst, group=None, tag=0):
@@ -188,9 +202,14 @@ def send(tensor, dst, group=None, tag=0):
     g.backend.send(tensor, g.group_rank(dst, "dst"), False)
 
 
-def recv(tensor, src, group=None, tag=0):
+def recv(tensor, src=None, group=None, tag=0):
+    """Receive into `tensor` from global rank `src`; returns the sender's global rank. src=None
+    receives from whichever rank sends (torch's any-source recv): gloo only, NCCL has none
+    (ValueError naming the alternatives)."""
     g = resolve_group(group)
     _check_tensor("recv", "tensor", tensor)
+    if src is None:
+        return g.ranks[g.backend.recv_any_source(tensor)]
     g.backend.recv(tensor, g.group_rank(src, "src"), False)
     return src
 
@@ -198,18 +217,22 @@ def recv(tensor, src, group=None, tag=0):
 def isend(tensor, dst, group=None, tag=0) -> Work:
     g = resolve_group(group)
     _check_tensor("isend", "tensor", tensor)
-    return g.backend.send(tensor, g.group_rank(dst, "dst"), True)
+    return _async(g.backend.send(tensor, g.group_rank(dst, "dst"), True), [tensor])
 
 
-def irecv(tensor, src, group=None, tag=0) -> Work:
+def irecv(tensor, src=None, group=None, tag=0) -> Work:
     g = resolve_group(group)
     _check_tensor("irecv", "tensor", tensor)
-    return g.backend.recv(tensor, g.group_rank(src, "src"), True)
+    if src is None:
+        raise NotImplementedError("irecv: src=None (any source) is not supported; use the blocking "
+                                  "recv(tensor, src=None) on gloo (it returns the sender), or pass src=")
+    return _async(g.backend.recv(tensor, g.group_rank(src, "src"), True), [tensor])
 
 
 def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
-    """All sends and receives in one NCCL group; returns a one-element list of Work
-    (torch returns one Work per op; waiting on any of ours waits for the whole batch)."""
+    """All sends and receives in one NCCL group; returns one Work per op, as torch's gloo path
+    (torch's NCCL path returns one). They are the same Work, the batch's: NCCL runs the batch as
+    one group, so waiting on any of them waits for the whole batch."""
     if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
         raise ValueError("batch_isend_irecv: expected a non-empty list of pynccl.P2POp")
     # NOTE: called per micro-batch by pipelines: the common case is one dict lookup per op;
@@ -224,7 +247,8 @@ def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
         if peer is None or type(p.peer) is not int:
             g.group_rank(p.peer, "peer")  # raises, naming the group
         ops.append((p.is_send, p.tensor, peer))
-    return [g.backend.batch_isend_irecv(ops)]
+    work = _async(g.backend.batch_isend_irecv(ops), [t for _, t, _ in ops])
+    return [work] * len(ops)
 
 
 def _explain_bad_p2p(p2p_op_list):

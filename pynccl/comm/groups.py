@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+import weakref
 from typing import List, Optional, Sequence
 
 import torch
@@ -43,6 +44,14 @@ class ProcessGroup:
         self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
         self.rank = -1 if isinstance(backend, _Unusable) else backend.rank
         self.world_size = len(self.ranks)
+        self._torch_group = None   # the torch ProcessGroup of the same ranks (torch_interop.py)
+
+    @property
+    def torch_group(self):
+        """A torch.distributed ProcessGroup over the same global ranks, for torch APIs that need
+        one (see pynccl.to_torch_group: made on first access, collective over the members)."""
+        from .torch_interop import to_torch_group
+        return to_torch_group(self)
 
     @property
     def is_member(self) -> bool:
@@ -81,6 +90,10 @@ class _State:
         self.num_groups_created = 0
         self.check_collectives = False
         self.key_prefix = "pynccl/0"   # store keys of this init: "pynccl/<generation>"
+        # torch ProcessGroup -> the pynccl group of its ranks (torch_interop.py); weak, so a
+        # torch group that is dropped is not kept alive by pynccl.
+        self.torch_groups = weakref.WeakKeyDictionary()
+        self.torch_group_uses = {}    # torch group name -> how many times it was mapped (store keys)
 
 
 _state = _State()
@@ -97,31 +110,52 @@ def _timeout_seconds(timeout) -> float:
     return float(timeout)
 
 
-def _make_backend(backend: str, rank: int, world_size: int, timeout_s: float, device_id, store, prefix: str):
+def _default_backend() -> str:
+    """torch's backend=None: the device's backend. "nccl" needs CUDA and the built extension."""
+    from .. import _ext
+    return "nccl" if torch.cuda.is_available() and _ext._C is not None else "gloo"
+
+
+def _make_backend(backend: str, rank: int, world_size: int, timeout_s: float, device_id, store, prefix: str,
+                  name: str, options):
     if backend == "gloo":
         from .backends.gloo import GlooBackend
         return GlooBackend.from_default_group(timeout_s)
     from .backends.nccl import NcclBackend
     device = rendezvous.resolve_cuda_device(device_id)
     unique_id = rendezvous.exchange_unique_id(store, prefix, rank, timeout_s)
-    return NcclBackend.create(unique_id, world_size, rank, device, timeout_s, name="world")
+    return NcclBackend.create(unique_id, world_size, rank, device, timeout_s, options=options, name=name)
 
 
-def init_process_group(backend: str = "nccl", init_method: Optional[str] = "env://", world_size: int = -1,
-                       rank: int = -1, timeout=None, device_id=None, store=None,
-                       check_collectives: Optional[bool] = None) -> None:
-    """Create the default group over all ranks.
+def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None, timeout=None,
+                       world_size: int = -1, rank: int = -1, store=None, group_name: str = "", pg_options=None,
+                       device_id=None, *, check_collectives: Optional[bool] = None) -> None:
+    """Create the default group over all ranks. torch.distributed.init_process_group's arguments,
+    in its positional order; check_collectives is pynccl's own (keyword only).
 
+    backend: "nccl" (CUDA tensors, pynccl's communicator) or "gloo" (CPU tensors, torch's gloo);
+    None picks "nccl" where CUDA and the extension are present, else "gloo".
+    timeout: seconds or a datetime.timedelta (default 600 s).
     Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
     unless rank/world_size/store are given. If torch.distributed is already initialised,
     its rank, world size and store are reused, so scripts that set it up keep working.
     A gloo torch.distributed default group is always present afterwards (it carries the
     CPU-side helpers such as DistributedSampler and object collectives).
+    group_name: the default group's name in errors and flight records ("" -> "world").
+    pg_options: for "nccl", a pynccl NcclOptions (or a dict of its fields); None for "gloo".
     check_collectives (default: PYNCCL_CHECK_COLLECTIVES=1): compare every collective's
     signature across ranks through the store first (see collective_check.py).
     """
+    backend = _default_backend() if backend is None else str(backend)
     if backend not in ("nccl", "gloo"):
-        raise ValueError(f"init_process_group: backend must be 'nccl' or 'gloo', got {backend!r}")
+        raise ValueError(f"init_process_group: backend must be 'nccl' or 'gloo' (or None), got {backend!r}; a pynccl "
+                         f"group has one backend (for torch's 'cpu:gloo,cuda:nccl' pass 'nccl': CPU-side helpers "
+                         f"run on the gloo torch.distributed group pynccl sets up)")
+    if pg_options is not None:
+        from .backends.nccl import NcclOptions
+        if backend != "nccl" or not isinstance(pg_options, (NcclOptions, dict)):
+            raise TypeError(f"init_process_group: pg_options must be a pynccl NcclOptions (or a dict of its "
+                            f"fields) with backend='nccl', got {type(pg_options).__name__} with backend={backend!r}")
     if _state.initialized:
         raise RuntimeError("init_process_group: the default process group is already initialized; "
                            "call pynccl.destroy_process_group() first")
@@ -131,13 +165,14 @@ def init_process_group(backend: str = "nccl", init_method: Optional[str] = "env:
         require_extension("backend='nccl'")
     rank, world_size, store, owns = rendezvous.bootstrap(init_method, rank, world_size, timeout_s, store)
     prefix = f"pynccl/{rendezvous.next_generation()}"
-    be = _make_backend(backend, rank, world_size, timeout_s, device_id, store, prefix)
+    name = group_name or "world"
+    be = _make_backend(backend, rank, world_size, timeout_s, device_id, store, prefix, name, pg_options)
     _state.key_prefix = prefix
     _state.store = store
     if check_collectives is None:
         check_collectives = os.environ.get("PYNCCL_CHECK_COLLECTIVES", "0") == "1"
     _state.check_collectives = check_collectives
-    _state.world = ProcessGroup(_maybe_checked(be, "world"), range(world_size), "world", timeout_s, backend)
+    _state.world = ProcessGroup(_maybe_checked(be, name), range(world_size), name, timeout_s, backend)
     _state.owns_torch_dist = owns
     _state.initialized = True
     _state.groups = [_state.world]
@@ -161,14 +196,16 @@ def is_initialized() -> bool:
 
 
 def resolve_group(group) -> ProcessGroup:
-    """The ProcessGroup `group` stands for: the default group for None. TypeError for anything but
-    a pynccl ProcessGroup. Also for the layers above that keep a group (DDP's reducer, PipelineStage)."""
+    """The ProcessGroup `group` stands for: the default group for None; for a torch.distributed
+    ProcessGroup, the pynccl group of the same global ranks (made on first use, then cached:
+    torch_interop.py). TypeError for anything else. The one place every API that takes
+    `group=` / `process_group=` normalises it (collectives, DDP, FSDP, TP, PipelineStage)."""
     if group is None:
         return _state.world
-    if type(group) is not ProcessGroup:
-        raise TypeError(f"group must be a pynccl ProcessGroup (from pynccl.new_group) or None, "
-                        f"got {type(group).__name__}")
-    return group
+    if type(group) is ProcessGroup:
+        return group
+    from .torch_interop import from_torch_group
+    return from_torch_group(group)
 
 
 def _require_usable(g: ProcessGroup) -> ProcessGroup:
@@ -211,39 +248,58 @@ def get_process_group_ranks(group=None) -> List[int]:
     return list(resolve_group(group).ranks)
 
 
-def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Optional[str] = None) -> ProcessGroup:
+def _check_ranks(fn: str, ranks, world_size: int) -> List[int]:
+    ranks = list(ranks)
+    if not ranks:
+        raise ValueError(f"{fn}: ranks must not be empty")
+    for r in ranks:
+        if not isinstance(r, int) or isinstance(r, bool):
+            raise TypeError(f"{fn}: ranks must be ints (global ranks), got {r!r}")
+        if not 0 <= r < world_size:
+            raise ValueError(f"{fn}: rank {r!r} out of range [0, {world_size})")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{fn}: ranks contain duplicates: {ranks}")
+    return sorted(ranks)
+
+
+def _next_group_name() -> str:
+    _state.num_groups_created += 1
+    return f"group{_state.num_groups_created}"
+
+
+def _register(sub, ranks: List[int], name: str, timeout_s: float, backend_name: str) -> ProcessGroup:
+    """The ProcessGroup around a split's result (`sub` None on a rank outside `ranks`)."""
+    if sub is None:
+        sub = _Unusable(ValueError(f"rank {_state.world.rank} is not a member of group '{name}' "
+                                   f"(global ranks {ranks})"))
+    else:
+        sub = _maybe_checked(sub, name)
+    group = ProcessGroup(sub, ranks, name, timeout_s, backend_name)
+    _state.groups.append(group)
+    return group
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Optional[str] = None,
+              pg_options=None, use_local_synchronization: bool = False, group_desc: Optional[str] = None
+              ) -> ProcessGroup:
     """A group over the given global ranks. Collective over the default group: every rank
-    calls it with the same `ranks`, members and non-members alike (as in torch).
-    On a rank outside `ranks`, the returned group raises on use."""
+    calls it with the same `ranks`, members and non-members alike (as in torch). On a rank
+    outside `ranks`, the returned group raises on use. torch's pg_options and
+    use_local_synchronization=True are refused (a split is collective over the parent);
+    group_desc names the group."""
     world = get_default_group()
     if backend is not None and backend != world.backend_name:
         raise ValueError(f"new_group: backend {backend!r} differs from the default group's "
                          f"{world.backend_name!r}; pynccl groups share the default group's backend")
-    if ranks is None:
-        ranks = list(range(world.world_size))
-    ranks = list(ranks)
-    if not ranks:
-        raise ValueError("new_group: ranks must not be empty")
-    for r in ranks:
-        if not isinstance(r, int) or isinstance(r, bool):
-            raise TypeError(f"new_group: ranks must be ints (global ranks), got {r!r}")
-        if not 0 <= r < world.world_size:
-            raise ValueError(f"new_group: rank {r!r} out of range [0, {world.world_size})")
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"new_group: ranks contain duplicates: {ranks}")
-    ranks = sorted(ranks)
+    if pg_options is not None or use_local_synchronization:
+        raise NotImplementedError("new_group: pg_options and use_local_synchronization=True are not supported "
+                                  "(ncclCommSplit is collective over the default group); to make a group only its "
+                                  "members call, make it with torch.distributed.new_group(ranks, "
+                                  "use_local_synchronization=True) and pass that: pynccl maps it on first use")
+    ranks = list(range(world.world_size)) if ranks is None else _check_ranks("new_group", ranks, world.world_size)
     timeout_s = _timeout_seconds(timeout) if timeout is not None else world.timeout_s
-    _state.num_groups_created += 1
-    name = f"group{_state.num_groups_created}"
-    sub = world.backend.split(ranks, timeout_s, name)
-    if sub is None:
-        me = world.rank
-        sub = _Unusable(ValueError(f"rank {me} is not a member of group '{name}' (global ranks {ranks})"))
-    else:
-        sub = _maybe_checked(sub, name)
-    group = ProcessGroup(sub, ranks, name, timeout_s, world.backend_name)
-    _state.groups.append(group)
-    return group
+    name = _next_group_name() + (f"[{group_desc}]" if group_desc else "")
+    return _register(world.backend.split(ranks, timeout_s, name), ranks, name, timeout_s, world.backend_name)
 
 
 def destroy_process_group(group=None) -> None:
@@ -264,6 +320,8 @@ def destroy_process_group(group=None) -> None:
     _destroy_one(g)
     if g in _state.groups:
         _state.groups.remove(g)
+    for torch_pg in [k for k, v in _state.torch_groups.items() if v is g]:
+        del _state.torch_groups[torch_pg]   # a later use of that torch group maps it afresh
 
 
 def _let_gloo_workers_finish() -> None:
@@ -298,3 +356,22 @@ def abort_process_group(group=None) -> None:
         _state.reset()
 
 
+
+
+# ----------------------------------------------------------------------------- availability
+def is_available() -> bool:
+    """torch's is_available: whether the distributed package works here (torch.distributed, under
+    every pynccl group, is built)."""
+    import torch.distributed as tdist
+    return tdist.is_available()
+
+
+def is_nccl_available() -> bool:
+    """Whether backend='nccl' can run: pynccl's extension is built and loaded."""
+    from .. import _ext
+    return _ext._C is not None
+
+
+def is_gloo_available() -> bool:
+    import torch.distributed as tdist
+    return tdist.is_available() and tdist.is_gloo_available()

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from ..comm import distributed as dist
 from ..comm.coalesced import MiB, broadcast_from_rank0, coalesced_broadcaster
+from ..comm.groups import resolve_group
 from .join import Join
 from .reducer import Reducer
 from .sync_batchnorm import SyncBatchNorm
@@ -35,10 +36,8 @@ __all__ = ["DistributedDataParallel", "SyncBatchNorm"]
 
 
 def _resolve_group(process_group, device: torch.device) -> dist.ProcessGroup:
-    if process_group is not None:
-        if not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"DistributedDataParallel: process_group must be a pynccl ProcessGroup (from "
-                            f"pynccl.new_group) or None, got {type(process_group).__name__}")
+    """process_group: a pynccl group, a torch.distributed group (mapped by resolve_group), or None."""
+    if isinstance(process_group, dist.ProcessGroup):
         return process_group
     if not dist.is_initialized():
         if tdist.is_available() and tdist.is_initialized():
@@ -47,7 +46,7 @@ def _resolve_group(process_group, device: torch.device) -> dist.ProcessGroup:
         else:
             raise RuntimeError("DistributedDataParallel: no process group; call pynccl.init_process_group("
                                "backend='nccl'|'gloo') (or torch.distributed.init_process_group) first")
-    return dist.get_default_group()
+    return dist.get_default_group() if process_group is None else resolve_group(process_group)
 
 
 def _to_device(obj, device: torch.device):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..comm import distributed as dist
+from ..comm.groups import resolve_group
 from ..comm.reduce_op import ReduceOp
 
 
@@ -79,10 +80,8 @@ class SyncBatchNorm(_BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum=0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group=None, device=None, dtype=None):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"SyncBatchNorm: process_group must be a pynccl ProcessGroup or None, "
-                            f"got {type(process_group).__name__}")
-        self.process_group = process_group
+        # A torch.distributed group is mapped to pynccl's (resolve_group); TypeError for anything else.
+        self.process_group = None if process_group is None else resolve_group(process_group)
 
     def _check_input_dim(self, input):
         if input.dim() < 2:

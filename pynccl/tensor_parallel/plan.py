@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import distributed as dist
+from ..comm.groups import resolve_group
 from .layers import shard_tensor
 
 GRAD_REDUCED_BY = "_pynccl_tp_grad_reduced_by"  # tensor attribute set by PrepareModuleInput
@@ -150,7 +151,7 @@ def parallelize_module(module: nn.Module, tp_group, plan: Union[Plan, ParallelSt
         plan = {"": plan}
     if getattr(module, SHARD_SPECS_ATTR, None) is not None:
         raise ValueError(f"parallelize_module: {type(module).__name__} is already tensor-parallel")
-    tp_group = dist.get_default_group() if tp_group is None else tp_group  # styles compare groups by identity
+    tp_group = dist.get_default_group() if tp_group is None else resolve_group(tp_group)  # styles compare groups by identity
     tp_size = dist.get_world_size(tp_group)
     named = list(module.named_modules())
     work = []

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import distributed as dist
+from ..comm.groups import resolve_group
 from .plan import SHARD_SPECS_ATTR, shard_specs
 
 
@@ -43,7 +44,7 @@ def unsharded_state_dict(model: nn.Module, tp_group=None, state_dict: Optional[D
     specs = shard_specs(tp_model)
     if state_dict is None:
         state_dict = model.full_state_dict() if hasattr(model, "full_state_dict") else tp_model.state_dict()
-    group = dist.get_default_group() if tp_group is None else tp_group
+    group = dist.get_default_group() if tp_group is None else resolve_group(tp_group)
     tp_size = group.world_size
     comm_device = group.backend.device
     missing = sorted(set(specs) - set(state_dict))

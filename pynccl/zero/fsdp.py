@@ -45,6 +45,7 @@ from torch import nn
 from ..comm import distributed as dist
 from ..comm.coalesced import MiB, broadcast_from_rank0
 from ..comm.distributed import ProcessGroup
+from ..comm.groups import resolve_group
 from . import checkpoint, clip
 from . import state_dict as _state_dict
 from .memory import held_bytes
@@ -80,10 +81,8 @@ class FullyShardedDataParallel(nn.Module):
         if wrap_modules is not None and stage != 3:
             raise ValueError(f"FullyShardedDataParallel: wrap_modules only applies to stage 3, got stage={stage}")
         self.policy = check_policy(mixed_precision)
-        self.process_group = dist.get_default_group() if process_group is None else process_group
-        if not isinstance(self.process_group, ProcessGroup):
-            raise TypeError(f"FullyShardedDataParallel: process_group must be a pynccl ProcessGroup or None, "
-                            f"got {type(process_group).__name__}")
+        # A pynccl or torch.distributed group (resolve_group maps a torch one); TypeError otherwise.
+        self.process_group = dist.get_default_group() if process_group is None else resolve_group(process_group)
         self.stage = stage
         self.device = self.process_group.backend.device
         module.to(self.device)

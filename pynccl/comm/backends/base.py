@@ -29,6 +29,13 @@ class Work(abc.ABC):
     @abc.abstractmethod
     def is_completed(self) -> bool: ...
 
+    def get_future(self) -> torch.futures.Future:
+        """torch's Work.get_future (work_future.py): a future whose value is the op's output tensors.
+        This default waits first; GlooWork completes its future from gloo's thread instead."""
+        from ..work_future import completed_future, outputs_of
+        self.wait()
+        return completed_future(outputs_of(self))
+
 
 class P2POp:
     """One send or recv of a batch_isend_irecv call (torch.distributed.P2POp's shape).
@@ -98,6 +105,12 @@ class Backend(abc.ABC):
         """ops: list of (is_send: bool, tensor, group-local peer). One NCCL group. Returns a Work."""
     @abc.abstractmethod
     def barrier(self): ...
+
+    def recv_any_source(self, tensor: torch.Tensor) -> int:
+        """Blocking receive from any rank; returns the sender's group rank. NCCL has none."""
+        raise ValueError(f"recv: src=None (receive from any rank) is not possible on the {self.name!r} backend: "
+                         f"NCCL has no any-source receive. Pass src= (e.g. send the sender's rank first on a "
+                         f"known pair, or exchange it with all_gather_object), or use a gloo group")
 
     # --- fused bucket kernels (DDP/ZeRO) ------------------------------------------
     @abc.abstractmethod

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 from typing import List, Optional
 
 import torch
 import torch.distributed as tdist
 
 from ...errors import CommTimeoutError, PyncclError
+from .. import work_future
 from ..flight_recorder import FlightRecorder
 from ..reduce_op import PremulSum, ReduceOp, check_op_for_dtype
 from .base import Backend, Work
@@ -37,20 +39,71 @@ class GlooWork(Work):
         self._works = [w for w in works if w is not None]
         self._finish = finish
         self._done = False
+        # NOTE: get_future's callback runs on gloo's worker thread; the lock makes `finish` run once
+        # whichever of it and wait() gets there first.
+        self._lock = threading.Lock()
+        self._future = None
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         if self._done:
             return True
-        t = self._backend.timeout_s if timeout is None else timeout
-        with self._backend._translate_errors(self._op_name, self._seq, self._record):
-            for w in self._works:
-                w.wait(datetime.timedelta(seconds=t))
+        with self._lock:
+            if self._done:
+                return True
+            t = self._backend.timeout_s if timeout is None else timeout
+            try:
+                with self._backend._translate_errors(self._op_name, self._seq, self._record):
+                    for w in self._works:
+                        w.wait(datetime.timedelta(seconds=t))
+            except Exception as e:
+                if self._future is not None and not self._future.done():
+                    self._future.set_exception(e)
+                raise
+            self._complete()
+        return True
+
+    def _complete(self):
+        """With the lock held, the torch works done: what follows the op, then the future."""
         if self._finish is not None:
             self._finish()
         if self._record is not None:
             self._record["state"] = "completed"
         self._done = True
-        return True
+        if self._future is not None and not self._future.done():
+            self._future.set_result(work_future.outputs_of(self))
+
+    def get_future(self) -> torch.futures.Future:
+        """Completed when the op (and what follows it, e.g. AVG's division) is done; value: the
+        op's output tensors. Callbacks run on gloo's worker thread."""
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            self._future = fut = torch.futures.Future()
+            done = self._done
+        if done:
+            fut.set_result(work_future.outputs_of(self))
+        elif not self._works:
+            self.wait()
+        else:
+            torch.futures.collect_all([w.get_future() for w in self._works]).then(self._on_torch_done)
+        return fut
+
+    def _on_torch_done(self, torch_futures):
+        if not self._lock.acquire(blocking=False):
+            return   # wait() holds it: it completes the future itself
+        try:
+            if self._done:
+                return
+            try:
+                with self._backend._translate_errors(self._op_name, self._seq, self._record):
+                    for f in torch_futures.value():
+                        f.value()   # raises the op's error
+            except Exception as e:  # noqa: BLE001 - handed to the future
+                self._future.set_exception(e)
+                return
+            self._complete()
+        finally:
+            self._lock.release()
 
     def is_completed(self) -> bool:
         return self._done or all(w.is_completed() for w in self._works)
@@ -63,8 +116,9 @@ class GlooWork(Work):
 class GlooBackend(Backend):
     name = "gloo"
 
-    def __init__(self, pg, rank: int, world_size: int, timeout_s: float, group_name: str):
+    def __init__(self, pg, rank: int, world_size: int, timeout_s: float, group_name: str, owns_pg: bool = True):
         self.pg = pg
+        self.owns_pg = owns_pg       # False for a torch group the user made (torch_interop.py): never destroyed here
         self.rank = rank
         self.world_size = world_size
         self.device = _CPU
@@ -297,6 +351,18 @@ class GlooBackend(Backend):
         return self._run("recv", async_op, lambda: tdist.irecv(tensor, group=self.pg, group_src=peer),
                          tensor=tensor, peer=peer)
 
+    def recv_any_source(self, tensor) -> int:
+        """Blocking receive from whichever rank sends first; returns its group rank (torch's
+        recv(src=None), which gloo has)."""
+        self._check("recv", tensor)
+        sender = []
+
+        def start():
+            sender.append(tdist.recv(tensor, group=self.pg))   # blocks; returns a global rank
+            return []
+        self._run("recv", False, start, tensor=tensor)
+        return tdist.get_group_rank(self.pg, sender[0]) if self.pg is not tdist.group.WORLD else sender[0]
+
     def batch_isend_irecv(self, ops):
         for is_send, t, peer in ops:
             self._check("batch_isend_irecv", t)
@@ -345,7 +411,7 @@ class GlooBackend(Backend):
 
     def destroy(self):
         self._destroyed = True
-        if self.pg is not tdist.group.WORLD and tdist.is_initialized():
+        if self.owns_pg and self.pg is not tdist.group.WORLD and tdist.is_initialized():
             try:
                 tdist.destroy_process_group(self.pg)
             except (ValueError, RuntimeError):
