@@ -26,6 +26,7 @@ SOURCES = [
     "csrc/bucket_reduce.cpp",
     "csrc/buffer_registration.cpp",
     "csrc/collectives.cpp",
+    "csrc/comm_config.cpp",
     "csrc/communicator.cpp",
     "csrc/nccl_api.cpp",
     "csrc/op_scope.cpp",

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "check.h"
+#include "comm_config.h"
 #include "nccl_api.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
@@ -23,50 +24,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 std::atomic<int> g_num_comms{0};
-
-int env_int(const char* name, int default_value) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || value[0] == '\0') return default_value;
-  return std::atoi(value);
-}
-
-// ncclConfig_t.CTAPolicy from PYNCCL_NCCL_CTA_POLICY (0 default, 1 efficiency, 2 zero), or -1
-// when unset; an error where the headers or the loaded library predate the field (2.27).
-int cta_policy_from_env() {
-  const int policy = env_int("PYNCCL_NCCL_CTA_POLICY", -1);
-  if (policy < 0) return -1;
-#if NCCL_VERSION_CODE < NCCL_VERSION(2, 27, 0)
-  PYNCCL_CHECK_VALUE(false, "PYNCCL_NCCL_CTA_POLICY=", policy, ": ncclConfig_t.CTAPolicy needs NCCL >= 2.27 headers, "
-                     "pynccl was built with ", nccl_version_string(NCCL_VERSION_CODE));
-#endif
-  PYNCCL_CHECK_VALUE(nccl_runtime_version() >= kCtaPolicyVersion, "PYNCCL_NCCL_CTA_POLICY=", policy,
-                     ": ncclConfig_t.CTAPolicy needs NCCL >= 2.27 at run time, the loaded library is ",
-                     nccl_version_string(nccl_runtime_version()));
-  return policy;
-}
-
-// NOTE: PYNCCL_NCCL_{CGA_CLUSTER_SIZE,MIN_CTAS,MAX_CTAS,CTA_POLICY}, read here at every init and
-// split, override `options` for the communicators made while they are set: NCCL reads its own
-// NCCL_* variables once per process, so this is how one process A/Bs them (ddp_bench --levers).
-ncclConfig_t make_config(const CommOptions& options) {
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = options.blocking ? 1 : 0;
-  const int cga_cluster_size = env_int("PYNCCL_NCCL_CGA_CLUSTER_SIZE", options.cga_cluster_size);
-  const int min_ctas = env_int("PYNCCL_NCCL_MIN_CTAS", options.min_ctas);
-  const int max_ctas = env_int("PYNCCL_NCCL_MAX_CTAS", options.max_ctas);
-  if (cga_cluster_size >= 0) config.cgaClusterSize = cga_cluster_size;
-  if (min_ctas > 0) config.minCTAs = min_ctas;
-  if (max_ctas > 0) config.maxCTAs = max_ctas;
-  const int cta_policy = cta_policy_from_env();
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
-  if (cta_policy >= 0) config.CTAPolicy = cta_policy;
-#endif
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
-  // NOTE: points into options.name, which outlives the init call.
-  config.commName = options.name.c_str();
-#endif
-  return config;
-}
 
 // What wait_comm_ready returns when another thread started to abort the communicator.
 constexpr ncclResult_t kAbortRequested = ncclNumResults;  // never a real result
