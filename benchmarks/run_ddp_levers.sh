@@ -35,7 +35,7 @@ $PY -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$O/versions.txt"
 if ! $PY -c "import pynccl._ext as e; assert hasattr(e.require_extension('x').Communicator, 'register_buffer')" \
     >/dev/null 2>&1; then
-  step build 150 $PY -m pip install --no-build-isolation --no-deps -e .
+  step build 150 $PY setup.py build_ext --inplace
 fi
 # --phases: GPU time of forward / backward / optimizer per mode (a longer backward with no idle GPU
 # means NCCL takes SMs or bandwidth from it, rather than exposed transfer time).

@@ -3,7 +3,7 @@
 # 10 s group timeout) at world size 4, the one-GPU time-out tests, and the host time per call at
 # one GPU (benchmarks/host_overhead.py; compare with RESULTS.md's previous figure).
 #   benchmarks/run_fault_tests.sh OUTDIR        (exit status: non-zero if any part failed)
-# Builds the extension first (pip install -e .; SKIP_BUILD=1 skips it). Logs: OUTDIR/faults4.log
+# Builds the extension in place first (setup.py build_ext --inplace; SKIP_BUILD=1 skips it). Logs: OUTDIR/faults4.log
 # (seconds per survivor: OUTDIR/fault_times.jsonl), OUTDIR/single_gpu_timeouts.log,
 # OUTDIR/host_overhead.log (+ .json). About 5 minutes on 4 GPUs.
 set -uo pipefail
@@ -18,7 +18,7 @@ PY=${PYTHON:-python3}
 status=0
 rm -f "$OUTDIR/fault_times.jsonl"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then  # the extension of this tree (SKIP_BUILD=1: already built)
-  MAX_JOBS=${MAX_JOBS:-32} "$PY" -m pip install -v --no-build-isolation --no-deps -e . >"$OUTDIR/build.log" 2>&1 \
+  MAX_JOBS=${MAX_JOBS:-32} "$PY" setup.py build_ext --inplace >"$OUTDIR/build.log" 2>&1 \
     || { echo "build failed: $OUTDIR/build.log"; tail -30 "$OUTDIR/build.log"; exit 1; }
 fi
 

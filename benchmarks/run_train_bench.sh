@@ -5,7 +5,7 @@
 # then one summary table; exit 1 if any run or row failed or a pair's losses disagree (a run skipped
 # for lack of time is reported, not failed).
 #   benchmarks/run_train_bench.sh OUTDIR                 (BUDGET=480 by default; NGPU=4)
-# Needs the built extension (pip install --no-build-isolation --no-deps -e .) and transformers.
+# Needs the built extension (python3 setup.py build_ext --inplace) and transformers.
 set -uo pipefail
 O=${1:?usage: run_train_bench.sh OUTDIR}
 mkdir -p "$O"

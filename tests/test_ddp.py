@@ -3,7 +3,6 @@ parameters after 5 steps of SGD and AdamW, unused / tied / frozen parameters, Ba
 no_sync accumulation, checkpointing, bucket views, comm hooks, errors; SyncBatchNorm against
 BatchNorm on the full batch; DistributedSampler; the example under torchrun. One process launch
 per world size runs every check (process start costs seconds on two cores)."""
-import contextlib
 import math
 import os
 import subprocess
@@ -13,114 +12,18 @@ import pytest
 import torch
 import torch.distributed as tdist
 import torch.nn as nn
-import torch.utils.checkpoint as ckpt
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pynccl
 from pynccl.ddp import hooks as comm_hooks
 from pynccl.testing import run_multiprocess
+from ddp_common import STEPS, TINY_BUCKETS_MB, BNNet, _assert_params_close, _batches, _max_diff, _mlp, _opt, _train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 5
-TINY_BUCKETS_MB = 0.0002                     # ~200 bytes: several buckets even for these small models
-
-
-# ----------------------------------------------------------------------------- models
-class MLP(nn.Module):
-    """Frozen layer, tied weights; `extra` is used on the ranks in `extra_ranks` (None: all);
-    `never` (if with_never) is used nowhere unless `uses_never` is set."""
-
-    def __init__(self, extra_ranks=None, with_never=False, checkpoint=False):
-        super().__init__()
-        self.embed = nn.Linear(8, 16)
-        self.frozen = nn.Linear(16, 16).requires_grad_(False)
-        self.hidden = nn.Linear(16, 16)
-        self.extra = nn.Linear(16, 16)
-        self.never = nn.Linear(16, 16) if with_never else None
-        self.head = nn.Linear(16, 8)
-        self.tied = nn.Linear(8, 8, bias=False)
-        self.out = nn.Linear(8, 8, bias=False)
-        self.out.weight = self.tied.weight       # one parameter, two modules
-        self.extra_ranks = extra_ranks
-        self.checkpoint = checkpoint
-        self.rank = 0
-        self.uses_never = False
-
-    def _block(self, h):
-        return torch.tanh(self.hidden(torch.relu(self.frozen(h))))
-
-    def forward(self, x):
-        h = torch.relu(self.embed(x))
-        h = ckpt.checkpoint(self._block, h, use_reentrant=False) if self.checkpoint else self._block(h)
-        if self.extra_ranks is None or self.rank in self.extra_ranks:
-            h = h + self.extra(h)
-        if self.uses_never:
-            h = h + self.never(h)
-        return self.out(self.tied(self.head(h)))
-
-
-class BNNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv1d(3, 6, 3, padding=1)
-        self.bn = nn.BatchNorm1d(6)
-        self.fc = nn.Linear(6 * 5, 4)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
-
-
-def _mlp(**kw):
-    torch.manual_seed(0)
-    return MLP(**kw)
-
-
-def _batches(shape_x, shape_y, n=STEPS, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(*shape_x, generator=g), torch.randn(*shape_y, generator=g)) for _ in range(n)]
-
-
-def _opt(name, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
-
-
-def _train(model, opt, batches, rank, ws, accumulate=1, set_to_none=None):
-    """Local batch = this rank's chunk of the global batch, in `accumulate` micro-batches
-    (no_sync on all but the last); ws=1 with a plain model is the full-batch reference."""
-    if set_to_none is None:
-        set_to_none = not getattr(model, "gradient_as_bucket_view", False)   # views: zero in place
-    inner = getattr(model, "module", model)
-    for x, y in batches:
-        xs, ys = x.chunk(ws)[rank], y.chunk(ws)[rank]
-        opt.zero_grad(set_to_none=set_to_none)
-        micro = list(zip(xs.chunk(accumulate), ys.chunk(accumulate)))
-        for i, (mx, my) in enumerate(micro):
-            if hasattr(inner, "rank"):
-                inner.rank = rank
-            sync = i == len(micro) - 1 or not hasattr(model, "no_sync")
-            with contextlib.nullcontext() if sync else model.no_sync():
-                loss = ((model(mx) - my) ** 2).mean() / len(micro)
-                loss.backward()
-        opt.step()
-    return inner
-
-
-def _max_diff(a, b):
-    return max((p - q).abs().max().item() for p, q in zip(a, b))
-
-
-def _assert_params_close(got, expected, what, tol=1e-6):
-    got, expected = list(got), list(expected)
-    assert len(got) == len(expected), what
-    d = _max_diff(got, expected)
-    if os.environ.get("DDP_TEST_PRINT_DIFFS"):
-        print(f"{what}: max |diff| {d:.3g} (tol {tol})", flush=True)
-    assert d <= tol, f"{what}: max |diff| {d:.3g} > {tol}"
 
 
 # ----------------------------------------------------------------------------- checks
+
 def _check_against_torch_and_reference(rank, ws):
     batches = _batches((6 * ws, 8), (6 * ws, 8))
     # (kwargs, zero_grad(set_to_none=...)): bucket views with grads set to None every step get

@@ -19,8 +19,7 @@ from torch import nn
 import pynccl
 from pynccl.testing import run_multiprocess
 from pynccl.checkpoint_io import atomic_save
-from pynccl.zero import FlatLayout, MixedPrecision
-from pynccl.zero.wrap import select_unit_modules
+from pynccl.zero import MixedPrecision
 
 V, D, H, SEQ, GLOBAL_BATCH, STEPS, LR, TOL = 11, 5, 9, 4, 12, 5, 1e-2, 1e-6
 
@@ -396,57 +395,3 @@ def test_full_checkpoint_loads_into_plain_model(ws4_checkpoint):
     assert all(isinstance(k, int) for k in full["optim"]["state"])
     resumed, _ = reference(steps=range(2, STEPS), start=full)
     assert_close(resumed, reference()[0], "plain model resumed from a ws-4 stage-3 checkpoint")
-
-
-def test_flat_layout_uneven_shards():
-    lay = FlatLayout(["a", "b", "c"], [torch.Size([2, 3]), torch.Size([5]), torch.Size([])], [0, 1, 2], world_size=4)
-    assert (lay.numel, lay.padded_numel, lay.shard_numel, lay.split_sizes) == (12, 12, 3, [0, 6, 0, 5, 0, 1, 0])
-    # (2, 3) would be cut inside its second row at element 4: one element of padding moves it
-    # so the boundary falls between its rows.
-    lay = FlatLayout(["a", "b"], [torch.Size([2, 3]), torch.Size([5])], [0, 1], world_size=3)
-    assert (lay.padded_numel, lay.shard_numel, lay.split_sizes) == (12, 4, [1, 6, 0, 5, 0])
-    assert lay.shard_pieces(0) == [(0, 0, 1, 3)]
-    assert lay.shard_pieces(1) == [(0, 3, 0, 3), (1, 0, 3, 1)]
-    assert lay.shard_pieces(2) == [(1, 1, 0, 4)]
-    a, b = torch.arange(6.).view(2, 3), torch.arange(10., 15.)
-    shards = []
-    for r in range(3):
-        out = torch.full((4,), -1.)
-        lay.shard_from_params(r, [a, b], out)
-        shards.append(out)
-        assert [tuple(v.shape) for v in lay.local_views(r, out)] == [[(1, 3), (0,)], [(1, 3), (1,)], [(0, 3), (4,)]][r]
-        assert [lay.local_part(r, i, t).tolist() for i, t in enumerate((a, b))] == \
-            [v.tolist() for v in lay.local_views(r, out)]
-    assert torch.cat(shards).tolist() == [0.] + list(range(6)) + list(range(10, 15))
-    # A parameter spanning two boundaries makes the shard a whole number of its rows.
-    lay = FlatLayout(["w"], [torch.Size([9, 5])], [0], world_size=4)
-    assert (lay.shard_numel, [tuple(v.shape) for v in lay.local_views(1, torch.zeros(lay.shard_numel))]) == \
-        (15, [(3, 5)])
-    # Every rank's piece of every parameter is whole rows, for shapes nobody chose to be nice.
-    shapes = [torch.Size(s) for s in [(7, 3), (13,), (5, 2, 3), (), (11, 4), (3, 7)]]
-    for ws in (1, 2, 3, 4, 5, 8):
-        lay = FlatLayout([str(i) for i in range(len(shapes))], shapes, list(range(len(shapes))), world_size=ws)
-        assert lay.padded_numel < 2 * lay.numel + 8 * ws, (ws, lay)
-        for r in range(ws):
-            for p in lay.shard_pieces(r):
-                row = lay.slots[p.slot_idx].row_numel
-                assert p.param_start % row == 0 and p.numel % row == 0, (ws, r, p)
-        assert sum(p.numel for r in range(ws) for p in lay.shard_pieces(r)) == lay.numel
-    assert FlatLayout(["x"], [torch.Size([1])], [0], world_size=4).padded_numel == 4    # >= 1 element per rank
-    assert FlatLayout.from_metadata(lay.metadata()) == lay
-    with pytest.raises(ValueError, match="multiple of world_size"):
-        FlatLayout(["a"], [torch.Size([5])], [0], world_size=2, padded_numel=5)
-
-
-def test_wrap_selection():
-    net = Net()
-    assert select_unit_modules(net, None) == list(net.blocks)
-    assert select_unit_modules(net, [nn.LayerNorm]) == [b.ln for b in net.blocks] + [net.norm]
-    assert select_unit_modules(net, [Block, nn.Linear]) == list(net.blocks) + [net.head]   # outermost only
-    assert select_unit_modules(net, lambda m: m is net.norm) == [net.norm]
-    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
-    assert select_unit_modules(seq, "auto") == [seq[0], seq[2]]
-    with pytest.raises(TypeError, match="wrap_modules"):
-        select_unit_modules(net, 3)
-    with pytest.raises(TypeError, match="wrap_modules entries"):
-        select_unit_modules(net, ["blocks"])

@@ -289,6 +289,18 @@ def _object_to_tensor(obj, device) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
+def padded_object_payload(obj, g):
+    """(obj pickled into a uint8 tensor padded to the largest payload of group `g`, every rank's
+    payload size): the all-gather of sizes that object collectives start with. Collective."""
+    dev = g.backend.device
+    payload = _object_to_tensor(obj, dev)
+    sizes = torch.zeros(g.world_size, dtype=torch.int64, device=dev)
+    all_gather_into_tensor(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=dev), group=g)
+    padded = torch.zeros(int(sizes.max().item()), dtype=torch.uint8, device=dev)
+    padded[: payload.numel()] = payload
+    return padded, sizes
+
+
 def all_gather_object(object_list: list, obj, group=None) -> None:
     """Pickle-based all-gather of Python objects (for metadata, not for hot paths)."""
     g = resolve_group(group)
@@ -298,12 +310,8 @@ def all_gather_object(object_list: list, obj, group=None) -> None:
     if len(object_list) != n:
         raise ValueError(f"all_gather_object: object_list has {len(object_list)} entries, expected world_size({n})")
     dev = g.backend.device
-    payload = _object_to_tensor(obj, dev)
-    sizes = torch.zeros(n, dtype=torch.int64, device=dev)
-    all_gather_into_tensor(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=dev), group=g)
-    max_size = int(sizes.max().item())
-    padded = torch.zeros(max_size, dtype=torch.uint8, device=dev)
-    padded[: payload.numel()] = payload
+    padded, sizes = padded_object_payload(obj, g)
+    max_size = padded.numel()
     out = torch.empty(n * max_size, dtype=torch.uint8, device=dev)
     all_gather_into_tensor(out, padded, group=g)
     out = out.cpu()

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import torch
 
-from .collectives import _object_to_tensor, all_gather_into_tensor, broadcast, gather, recv, scatter, send
+from .collectives import broadcast, gather, padded_object_payload, recv, scatter, send
 from .groups import resolve_group
 
 
@@ -22,20 +22,15 @@ def gather_object(obj, object_gather_list: Optional[list] = None, dst: int = 0, 
     """Rank `dst` gets every rank's `obj`, in group-rank order, in `object_gather_list` (a list
     of group-size entries on dst; None elsewhere), as torch.distributed.gather_object."""
     g = resolve_group(group)
-    n, dev = g.world_size, g.backend.device
+    n = g.world_size
     root = g.group_rank(dst, "dst")
     if g.rank == root:
         if not isinstance(object_gather_list, list) or len(object_gather_list) != n:
             got = len(object_gather_list) if isinstance(object_gather_list, list) else type(object_gather_list).__name__
             raise ValueError(f"gather_object: object_gather_list on dst must be a list of world_size({n}) "
                              f"entries, got {got}")
-    payload = _object_to_tensor(obj, dev)
-    sizes = torch.zeros(n, dtype=torch.int64, device=dev)
-    all_gather_into_tensor(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=dev), group=g)
-    max_size = int(sizes.max().item())
-    padded = torch.zeros(max_size, dtype=torch.uint8, device=dev)
-    padded[: payload.numel()] = payload
-    outs = [torch.empty(max_size, dtype=torch.uint8, device=dev) for _ in range(n)] if g.rank == root else None
+    padded, sizes = padded_object_payload(obj, g)
+    outs = [torch.empty_like(padded) for _ in range(n)] if g.rank == root else None
     gather(padded, outs, dst=dst, group=g)
     if g.rank == root:
         for i in range(n):

@@ -14,7 +14,6 @@ import torch
 
 from . import hooks as comm_hooks
 from .buckets import DEFAULT_FIRST_BUCKET_BYTES, Bucket, GradBucketer
-from ..comm.coalesced import MiB, coalesced_broadcaster
 from ..comm.groups import resolve_group
 from ..comm.reduce_op import ReduceOp
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import inspect
-import os
 from typing import List, Optional, Union
 
 import torch
