@@ -33,13 +33,14 @@ def _tp_model(model: nn.Module) -> nn.Module:
     return inner
 
 
-def unsharded_state_dict(model: nn.Module, tp_group=None, state_dict: Optional[Dict[str, torch.Tensor]] = None
-                         ) -> Dict[str, torch.Tensor]:
+def unsharded_state_dict(model: nn.Module, tp_group=None, state_dict: Optional[Dict[str, torch.Tensor]] = None,
+                         partial: bool = False) -> Dict[str, torch.Tensor]:
     """{name: full tensor} of a model from parallelize_module (or DDP / FullyShardedDataParallel
     around one). state_dict: this rank's TP-sharded state dict under the TP model's names; by
     default the wrapper's full_state_dict() (ZeRO) or the TP model's state_dict(). Collective
     over tp_group: every TP rank calls it and gets the same result, on the devices of
-    `state_dict`'s tensors."""
+    `state_dict`'s tensors. partial: `state_dict` holds only some of the model's entries (a
+    pipeline stage's, under the whole model's names); the TP parameters it lacks are not an error."""
     tp_model = _tp_model(model)
     specs = shard_specs(tp_model)
     if state_dict is None:
@@ -48,7 +49,7 @@ def unsharded_state_dict(model: nn.Module, tp_group=None, state_dict: Optional[D
     tp_size = group.world_size
     comm_device = group.backend.device
     missing = sorted(set(specs) - set(state_dict))
-    if missing:
+    if missing and not partial:
         raise ValueError(f"unsharded_state_dict: the state dict lacks the tensor-parallel parameters {missing[:4]}"
                          f"{' ...' if len(missing) > 4 else ''}; pass one keyed like the TP model's own names")
     full = {}
