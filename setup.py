@@ -198,7 +198,19 @@ def _extensions():
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+def _check_setuptools() -> None:
+    """pyproject.toml's `license = "Apache-2.0"` (PEP 639) needs setuptools >= 77. A build-isolated
+    pip gets it from [build-system]; with --no-build-isolation the environment's own setuptools
+    runs, and an older one fails on that line with a schema error that does not say why."""
+    import setuptools
+    major = int(re.match(r"\d+", setuptools.__version__).group())
+    if major < 77:
+        sys.exit(f"pynccl: setuptools {setuptools.__version__} is too old to read pyproject.toml (needs >= 77); "
+                 f"run `pip install -U setuptools` first (with --no-build-isolation pip uses the installed one)")
+
+
 if __name__ == "__main__":  # setuptools runs this file as __main__; tests import the helpers above
+    _check_setuptools()
     needs_extension = not _BUILD_COMMANDS.isdisjoint(sys.argv[1:])
     ext_modules, cmdclass = _extensions() if needs_extension else ([], {})
     setup(
