@@ -36,10 +36,10 @@ from ddp_bench_lib import levers as lv  # noqa: E402
 from ddp_bench_lib import profiling  # noqa: E402
 from ddp_bench_lib.models import GPT, MODELS  # noqa: E402,F401  (GPT: zero_bench.py imports it from here)
 from ddp_bench_lib.report import print_levers, print_report  # noqa: E402
-from ddp_bench_lib.trainer import ALL_PRIO0, COMM_PRIO0, FLOOR, PY_PATH, VIEW, Trainer, step_times_ms  # noqa: E402
+from ddp_bench_lib.trainer import ALL_PRIO0, COMM_PRIO0, FLOOR, ORACLE, PY_PATH, VIEW, Trainer, step_times_ms  # noqa: E402
 
 PRIO_MODES = [COMM_PRIO0, ALL_PRIO0]
-MODES = [FLOOR, "torch DDP", "pynccl DDP", PY_PATH, COMM_PRIO0, ALL_PRIO0, FLOOR + " + graph", "pynccl DDP + graph"]
+MODES = [FLOOR, ORACLE, "torch DDP", "pynccl DDP", PY_PATH, COMM_PRIO0, ALL_PRIO0, FLOOR + " + graph", "pynccl DDP + graph"]
 DDP_MODES = ["torch DDP", "pynccl DDP", PY_PATH, COMM_PRIO0, ALL_PRIO0, "pynccl DDP + graph"]  # per grad-view setting
 LEVER_BASELINES = [FLOOR, "torch DDP", "pynccl DDP"]       # alive through every lever's window
 

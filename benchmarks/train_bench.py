@@ -38,8 +38,8 @@ import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 
 import pynccl  # noqa: E402
-from train_bench_lib import pynccl_runners, report, torch_runners  # noqa: E402
-from train_bench_lib.harness import free_device_memory, measure  # noqa: E402
+from train_bench_lib import pynccl_runners, report, timeline, torch_runners  # noqa: E402
+from train_bench_lib.harness import free_device_memory, measure, pool  # noqa: E402
 from train_bench_lib.models import (DEFAULTS, MODELS, STRATEGIES, BenchContext, hf_config,  # noqa: E402
                                     layout_of, num_params, parse_strategies, preload)
 
@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=2, help="sequences per model replica (data-parallel rank)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them (they train too)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each pair this many times, the two sides alternating; step times pooled over the runs")
     p.add_argument("--microbatches", type=int, default=8, help="pipeline micro-batches per step")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--lr", type=float, default=3e-4)
@@ -68,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn when not under torchrun")
     p.add_argument("--json", help="write the header and rows here (rank 0)")
+    p.add_argument("--timeline", action="store_true",
+                   help="pipeline pairs on GPU: after the timed steps, one step with every micro-batch's forward and "
+                        "backward timed per rank (GPU and host), printed by rank 0")
     p.add_argument("--plot", help="draw tokens/s per strategy here (PNG; rank 0)")
     args = p.parse_args(argv)
     for key, value in DEFAULTS[args.model].items():
@@ -146,9 +151,15 @@ def run_one(ctx: BenchContext, strategy: str, impl: str) -> dict:
     trainer = None
     try:
         check_sizes(ctx.args, strategy, ctx.world_size)
+        free_device_memory(ctx)
+        base = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
         trainer = RUNNERS[impl](strategy, ctx)
         free_device_memory(ctx)            # what the build left behind (a whole model before sharding)
-        row.update(measure(trainer, ctx, ctx.args.batch * ctx.args.seq * layout.dp))
+        row.update(measure(trainer, ctx, ctx.args.batch * ctx.args.seq * layout.dp, base))
+        if ctx.args.timeline and trainer.instrument is not None and ctx.device.type == "cuda":
+            tl = timeline.Timeline()
+            trainer.instrument(tl)
+            timeline.run_and_print(trainer, tl, ctx, f"{strategy} {report.runs_as(strategy, impl)}")
     except Exception as e:  # noqa: BLE001 - a failing pair must not stop the others
         if ctx.rank == 0:
             traceback.print_exc()
@@ -167,13 +178,20 @@ def worker(rank, world_size, args):
         print(report.HEADER, flush=True)
     rows = []
     for strategy in args.strategies:
+        runs = {impl: [] for impl in impls}
+        for _ in range(args.repeats):              # the sides alternate, so drift hits both alike
+            for impl in impls:
+                runs[impl].append(run_one(ctx, strategy, impl))
+                if ctx.rank == 0 and args.repeats > 1:
+                    print("# run: " + report.format_row(runs[impl][-1]), flush=True)
         for impl in impls:
-            rows.append(run_one(ctx, strategy, impl))
+            rows.append(pool(runs[impl]))
             if ctx.rank == 0:
                 print(report.format_row(rows[-1]), flush=True)
     report.add_ratios(rows)
     if ctx.rank == 0:
-        print("\n# summary (ms vs torch: pynccl's median step time over torch's)")
+        print("\n# summary (ms vs torch: pynccl's median step time over torch's; wall ms: the timed steps' wall "
+              "time / steps, barrier to barrier)")
         report.print_table(rows)
         if args.json:
             report.write_json(args.json, h, rows)

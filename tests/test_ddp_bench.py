@@ -29,3 +29,18 @@ def test_ddp_bench_levers_on_cpu(tmp_path):
     assert rows["pynccl DDP + cta-efficiency"]["skipped"] == "needs the nccl backend"
     assert "over floor ms" in proc.stdout and "pynccl DDP overhead / torch DDP overhead" in proc.stdout
     assert "pynccl DDP + bucket-10mb" in proc.stdout
+
+
+def test_ddp_bench_hidden_allreduce_bound_on_cpu(tmp_path):
+    """The default modes include the bound 'no DDP + hidden all-reduce' (the gradients' bytes
+    all-reduced from backward's start): timed like the others and reported against torch DDP."""
+    out = tmp_path / "r.json"
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "ddp_bench.py"), "--device", "cpu",
+                           "--nproc", "2", "--model", "tiny", "--steps", "2", "--repeats", "2", "--warmup", "1",
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert list(r["modes"]) == ["no DDP", "no DDP + hidden all-reduce", "torch DDP", "pynccl DDP"]
+    assert all(m["n"] == 4 and m["median_ms"] > 0 for m in r["modes"].values()), r["modes"]
+    assert "'no DDP + hidden all-reduce' (the same bytes all-reduced from backward's start" in proc.stdout

@@ -81,12 +81,13 @@ def test_train_bench_pairs_agree_on_gloo(tmp_path, capfd):
         assert not r.get("error"), f"{strategy} {impl}: {r['error']}"
         assert len(r["losses"]) == 4 and r["loss"] == r["losses"][-1]
         assert r["losses"][-1] < r["losses"][0] - 0.05, f"{strategy} {impl} did not train: {r['losses']}"
-        assert r["median_ms"] >= r["min_ms"] > 0 and r["tokens_per_s"] > 0
+        assert r["median_ms"] >= r["min_ms"] > 0 and r["tokens_per_s"] > 0 and r["wall_ms"] > 0
     for strategy in ("ddp", "zero3", "pp-1f1b"):
         ours, theirs = rows[(strategy, "pynccl")], rows[(strategy, "torch")]
         for step, (a, b) in enumerate(zip(ours["losses"], theirs["losses"])):
             assert abs(a - b) <= REL * abs(b), f"{strategy} step {step}: pynccl loss {a} vs torch {b}"
         assert ours["ms_vs_torch"] == pytest.approx(ours["median_ms"] / theirs["median_ms"])
+        assert ours["wall_vs_torch"] == pytest.approx(ours["wall_ms"] / theirs["wall_ms"])
     # DDP and ZeRO-3 see the same two replicas' batches: the same fp32 training.
     for a, b in zip(rows[("ddp", "pynccl")]["losses"], rows[("zero3", "pynccl")]["losses"]):
         assert abs(a - b) <= REL * abs(b)
@@ -124,3 +125,20 @@ def test_torch_tensor_parallel_plans_train_as_one_process(tmp_path):
         assert not r.get("error"), r.get("error")
         for step, (a, b) in enumerate(zip(r["losses"], expected)):
             assert abs(a - b) <= REL * abs(b), f"{r['strategy']} step {step}: DTensor loss {a} vs one process {b}"
+
+
+def test_repeats_pool_the_runs():
+    """--repeats: step times pooled over the runs (median and min of all), the largest peak, the
+    mean wall time, the last run's losses; an error in any run is the row."""
+    from train_bench_lib.harness import pool
+    runs = [dict(step_ms=[10.0, 30.0], median_ms=20.0, min_ms=10.0, peak_gib=2.0, wall_ms=21.0, losses=[3.0, 2.0],
+                 loss=2.0, tokens_per_step=1000),
+            dict(step_ms=[40.0, 50.0, 60.0], median_ms=50.0, min_ms=40.0, peak_gib=1.5, wall_ms=49.0,
+                 losses=[3.0, 1.5], loss=1.5, tokens_per_step=1000)]
+    row = pool(runs)
+    assert (row["median_ms"], row["min_ms"], row["peak_gib"], row["wall_ms"], row["loss"], row["repeats"]) == \
+        (40.0, 10.0, 2.0, 35.0, 1.5, 2)
+    assert row["tokens_per_s"] == pytest.approx(1000 / 0.040)
+    assert pool(runs[:1]) is runs[0]
+    failed = dict(error="RuntimeError: x")
+    assert pool([runs[0], failed]) is failed

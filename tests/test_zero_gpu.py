@@ -120,3 +120,36 @@ def test_zero_nccl_one_gpu_equals_single_process():
 def test_zero_nccl_multi_gpu_equals_single_process():
     ws = max(n for n in (2, 3, 4) if n <= torch.cuda.device_count() and GLOBAL_BATCH % n == 0)
     assert run_multiprocess(_case, ws, backend="nccl", start_method="spawn", timeout=600) == [True] * ws
+
+
+def _conditional_case(rank, ws):
+    """On NCCL: blocks skipped on some ranks (the all-gathers and reduce-scatters interleave
+    differently there: no hang, on a second communicator), with the embedding and the head as
+    their own units; parameters equal one process averaging each rank's own gradient (fp32)."""
+    from test_zero_real_clients import PARAM_TOL, _Branchy, batch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = pynccl.get_device()
+    skips = [lambda r: (1,) if r == 1 else (), lambda r: (0, 2), lambda r: (2,) if r % 2 == 0 else ()]
+    ref = _Branchy().to(device)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    model = pynccl.FullyShardedDataParallel(_Branchy(), stage=3)
+    assert len(model.units) == 5, model.units
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step, skip in enumerate(skips):
+        x = batch(step).to(device)
+        n = x.shape[0] // ws
+        sum(ref(x[r * n:(r + 1) * n], skip(r)) for r in range(ws)).div(ws).backward()
+        model(x[rank * n:(rank + 1) * n], skip(rank)).backward()
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    full = model.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v.cpu(), atol=PARAM_TOL, rtol=0, msg=lambda m: f"conditional [{k}]: {m}")
+    return True
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_zero3_nccl_conditional_blocks():
+    ws = min(4, torch.cuda.device_count())
+    assert run_multiprocess(_conditional_case, ws, backend="nccl", start_method="spawn", timeout=300) == [True] * ws

@@ -6,7 +6,7 @@ from torch import nn
 
 from pynccl.zero import FlatLayout
 from pynccl.zero.wrap import select_unit_modules
-from test_zero import Block, Net
+from test_zero import D, Block, Net
 
 
 def test_flat_layout_uneven_shards():
@@ -57,7 +57,43 @@ def test_wrap_selection():
     assert select_unit_modules(net, lambda m: m is net.norm) == [net.norm]
     seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
     assert select_unit_modules(seq, "auto") == [seq[0], seq[2]]
+    # auto, with layers: an untied module outside them holding >= 1/4 of a layer's parameters is a
+    # unit too, in module order; a tied one (net.emb / net.head), a small one and a holder of layers are not.
+    untied = Net()
+    untied.head.weight = nn.Parameter(untied.emb.weight.detach().clone())
+    untied.norm2 = nn.LayerNorm(D)                     # 2·D, under a quarter of a block
+    untied.holder = nn.Module()
+    untied.holder.w = nn.Parameter(torch.zeros(1000))  # holds layers below: never a unit
+    untied.holder.layers = nn.ModuleList([Block()])
+    picked = select_unit_modules(untied, None)
+    assert picked == [untied.emb] + list(untied.blocks) + [untied.head] + list(untied.holder.layers), picked
     with pytest.raises(TypeError, match="wrap_modules"):
         select_unit_modules(net, 3)
     with pytest.raises(TypeError, match="wrap_modules entries"):
         select_unit_modules(net, ["blocks"])
+
+
+def _dropped_models_free_their_shards(rank, ws):
+    import gc
+    import weakref
+    import pynccl
+    from test_zero import global_batch, local
+    alive = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = pynccl.FullyShardedDataParallel(Net(), stage=stage)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(*local(global_batch(0), rank, ws)).backward()
+        opt.step()
+        refs = [weakref.ref(u.shard) for u in model.units] + [weakref.ref(model)]
+        del model, opt
+        gc.collect()
+        alive[stage] = sum(r() is not None for r in refs)
+    return alive
+
+
+def test_dropped_models_free_their_shards():
+    """A dropped model takes its shards with it (stage 3's gradient hooks once held the runtime
+    from C++, out of the garbage collector's sight)."""
+    from pynccl.testing import run_multiprocess
+    assert run_multiprocess(_dropped_models_free_their_shards, 2) == [{1: 0, 2: 0, 3: 0}] * 2

@@ -223,10 +223,11 @@ def _checkpointing(rank, ws):
                 ref_opt.step(), opt.step()
                 ref_opt.zero_grad(), opt.zero_grad()
         backward_gathers, peak = _count_gathers(model, steps)
+        blocks = len(model.units)                      # the 3 blocks, the embedding and the head (no root left)
         full = model.full_state_dict()
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(full[k], v, atol=PARAM_TOL, rtol=0, msg=lambda m: f"torch checkpoint [{k}]: {m}")
-        assert peak <= 2 and backward_gathers <= 3 * 3, (reentrant, peak, backward_gathers)
+        assert blocks == 5 and peak <= 2 and backward_gathers <= 3 * blocks, (reentrant, blocks, peak, backward_gathers)
 
 
 class _Branchy(nn.Module):

@@ -2,7 +2,7 @@
 the levers table (--levers), and the CUDA diagnostics (buckets, pack kernel, phases, gaps).
 """
 from .profiling import PHASES
-from .trainer import FLOOR, VIEW
+from .trainer import FLOOR, ORACLE, VIEW
 
 
 def print_report(r):
@@ -54,6 +54,13 @@ def print_report(r):
                 ratio_min = (modes[m]["min_ms"] - base_min) / t_min if t_min > 0 else float("nan")
                 print(f"# gradient_as_bucket_view={views[v]}: {m} overhead / torch DDP{suffix} overhead = {ratio:.2f} "
                       f"(by minima {ratio_min:.2f}; target <= 0.5)")
+    if ORACLE in modes and "torch DDP" in modes:
+        t_over = overhead("torch DDP")[0]
+        o_over = overhead(ORACLE)[0]
+        print(f"# '{ORACLE}' (the same bytes all-reduced from backward's start, nothing exposed at its end) costs "
+              f"{o_over:.3f} ms over the floor = {o_over / t_over if t_over > 0 else float('nan'):.2f} of torch DDP's "
+              f"overhead: what NCCL's all-reduce kernels (default configuration) take from backward with nothing "
+              f"exposed, the bound for a DDP that all-reduces these bytes with them")
     for m in modes:                                   # issue 10's measure at world size > 1
         if m.startswith("pynccl DDP") and "+ graph" not in m:
             ref = "torch DDP" + (VIEW if m.endswith(VIEW) else "")

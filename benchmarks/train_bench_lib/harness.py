@@ -41,25 +41,35 @@ def _timed_step(trainer: Trainer, cuda: bool):
     return 1e3 * (time.perf_counter() - t0), loss
 
 
-def measure(trainer: Trainer, ctx: BenchContext, tokens_per_step: int) -> dict:
-    """Run --warmup + --steps steps; the row's numbers (identical on every rank)."""
+def measure(trainer: Trainer, ctx: BenchContext, tokens_per_step: int, base_bytes: int = 0) -> dict:
+    """Run --warmup + --steps steps; the row's numbers (identical on every rank). base_bytes: what
+    was allocated before the trainer was built (an earlier run's leftovers), not counted in the peak.
+    wall_ms: the timed steps' wall time / steps, from a barrier before the first to one after the
+    last (the throughput view: no per-step maximum over ranks that are out of phase)."""
     cuda = ctx.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
+    t0 = None
     for i in range(ctx.args.warmup + ctx.args.steps):
+        if i == ctx.args.warmup:
+            tdist.barrier()
+            t0 = time.perf_counter()
         ms, loss = _timed_step(trainer, cuda)
         losses.append(math.nan if loss is None else float(loss))
         if i >= ctx.args.warmup:
             times.append(ms)
-    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else math.nan
+    tdist.barrier()
+    wall = torch.tensor([1e3 * (time.perf_counter() - t0) / max(1, ctx.args.steps)], dtype=torch.float64)
+    peak = (torch.cuda.max_memory_allocated() - base_bytes) / 2 ** 30 if cuda else math.nan
 
     # NOTE: collective over every rank; the default torch group routes CPU tensors to gloo.
     step_ms = torch.tensor(times, dtype=torch.float64)
     tdist.all_reduce(step_ms, op=tdist.ReduceOp.MAX)
     peak_t = torch.tensor([peak], dtype=torch.float64)
     tdist.all_reduce(peak_t, op=tdist.ReduceOp.MAX)
+    tdist.all_reduce(wall, op=tdist.ReduceOp.MAX)
     have = torch.tensor([[0.0 if math.isnan(v) else v for v in losses],
                          [0.0 if math.isnan(v) else 1.0 for v in losses]], dtype=torch.float64)
     tdist.all_reduce(have)
@@ -68,4 +78,19 @@ def measure(trainer: Trainer, ctx: BenchContext, tokens_per_step: int) -> dict:
     step_losses = (have[0] / have[1]).tolist()
     median = statistics.median(step_ms.tolist())
     return dict(median_ms=median, min_ms=min(step_ms.tolist()), tokens_per_s=tokens_per_step / (median / 1e3),
-                peak_gib=peak_t.item(), loss=step_losses[-1], losses=step_losses)
+                peak_gib=peak_t.item(), loss=step_losses[-1], losses=step_losses, step_ms=step_ms.tolist(),
+                wall_ms=wall.item(),
+                tokens_per_step=tokens_per_step)
+
+
+def pool(runs: list) -> dict:
+    """One row from --repeats runs of the same (strategy, side): step times pooled (median and min over
+    all), the largest peak, the losses of the last run (every run starts from the same weights)."""
+    if len(runs) == 1 or any(r.get("error") for r in runs):
+        return next((r for r in runs if r.get("error")), runs[-1])
+    row = dict(runs[-1])
+    times = [t for r in runs for t in r["step_ms"]]
+    row.update(median_ms=statistics.median(times), min_ms=min(times), step_ms=times, repeats=len(runs),
+               peak_gib=max(r["peak_gib"] for r in runs), wall_ms=statistics.mean(r["wall_ms"] for r in runs))
+    row["tokens_per_s"] = row["tokens_per_step"] / (row["median_ms"] / 1e3)
+    return row

@@ -103,6 +103,7 @@ class Trainer:
     (a detached scalar) or None where this rank computes none (pipeline stages before the last)."""
     step: Callable[[], Optional[torch.Tensor]]
     keep: list = field(default_factory=list)     # what must stay alive while step() is used
+    instrument: Optional[Callable] = None        # pipelines: instrument(timeline) times each action (--timeline)
 
 
 @dataclass
@@ -185,4 +186,8 @@ def pipeline_trainer(ctx: BenchContext, kind: str, make_stage: Callable, schedul
         opt.step()
         opt.zero_grad(set_to_none=True)
         return torch.stack(losses).mean().detach() if losses else None
-    return Trainer(step, [mods, stages, sched, opt])
+
+    def instrument(timeline):
+        from .timeline import install
+        install(sched, stages, timeline)
+    return Trainer(step, [mods, stages, sched, opt], instrument)

@@ -22,16 +22,19 @@ def runs_as(strategy: str, impl: str) -> str:
 
 
 def add_ratios(rows: List[dict]) -> None:
-    """On each pynccl row: its median step time over torch's for the same strategy (< 1: faster)."""
-    torch_ms = {r["strategy"]: r.get("median_ms") for r in rows if r["impl"] == "torch" and not r.get("error")}
+    """On each pynccl row: its median step time over torch's for the same strategy (< 1: faster),
+    and the same for the wall time per step."""
+    ref = {r["strategy"]: r for r in rows if r["impl"] == "torch" and not r.get("error")}
     for r in rows:
-        ref = torch_ms.get(r["strategy"])
-        if r["impl"] == "pynccl" and ref and not r.get("error"):
-            r["ms_vs_torch"] = r["median_ms"] / ref
+        t = ref.get(r["strategy"])
+        if r["impl"] == "pynccl" and t and not r.get("error"):
+            r["ms_vs_torch"] = r["median_ms"] / t["median_ms"]
+            if r.get("wall_ms") and t.get("wall_ms"):
+                r["wall_vs_torch"] = r["wall_ms"] / t["wall_ms"]
 
 
 HEADER = (f"{'strategy':<15}{'runs':<27}{'layout':<11}{'tokens/s':>11}{'median ms':>11}{'min ms':>9}"
-          f"{'peak GiB':>10}{'loss':>9}{'ms vs torch':>13}")
+          f"{'peak GiB':>10}{'loss':>9}{'ms vs torch':>13}{'wall ms':>9}{'wall vs torch':>15}")
 
 
 def format_row(r: dict) -> str:
@@ -40,8 +43,10 @@ def format_row(r: dict) -> str:
         return head + f"FAILED: {r['error']}"
     peak = "-" if math.isnan(r["peak_gib"]) else f"{r['peak_gib']:.2f}"
     ratio = f"{r['ms_vs_torch']:.3f}" if "ms_vs_torch" in r else "-"
+    wall = f"{r['wall_ms']:.2f}" if r.get("wall_ms") else "-"
+    wall_ratio = f"{r['wall_vs_torch']:.3f}" if "wall_vs_torch" in r else "-"
     return head + (f"{r['tokens_per_s']:>11,.0f}{r['median_ms']:>11.2f}{r['min_ms']:>9.2f}{peak:>10}"
-                   f"{r['loss']:>9.4f}{ratio:>13}")
+                   f"{r['loss']:>9.4f}{ratio:>13}{wall:>9}{wall_ratio:>15}")
 
 
 def print_table(rows: List[dict]) -> None:

@@ -302,6 +302,18 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Opti
     return _register(world.backend.split(ranks, timeout_s, name), ranks, name, timeout_s, world.backend_name)
 
 
+def duplicate_group(group, desc: str) -> ProcessGroup:
+    """A second group over `group`'s ranks, with its own communicator: the collectives of the two
+    are ordered independently. Made on the first call for (group, desc), collective over `group`'s
+    members only, then cached on `group` (every later caller shares it); destroyed with the others."""
+    g = _require_usable(resolve_group(group))
+    dups = g.__dict__.setdefault("_duplicates", {})
+    if desc not in dups or dups[desc] not in _state.groups:
+        name = f"{g.name}.dup[{desc}]"
+        dups[desc] = _register(g.backend.duplicate(g.timeout_s, name), g.ranks, name, g.timeout_s, g.backend_name)
+    return dups[desc]
+
+
 def destroy_process_group(group=None) -> None:
     """Destroy `group` (collective over its members), or every group and the default group."""
     if group is None:

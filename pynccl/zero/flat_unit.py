@@ -65,7 +65,7 @@ class ShardedUnit:
 
     def __init__(self, index: int, layout: FlatLayout, params: Sequence[nn.Parameter], group,
                  compute_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype], *,
-                 persistent: bool, sync_from_first_rank: bool):
+                 persistent: bool, sync_from_first_rank: bool, reduce_group=None):
         """params: the module's original parameters, one per slot; each becomes a view of this
         rank's rows of it in the shard (param.data is replaced, the object stays the same)."""
         master_dtype = params[0].dtype
@@ -76,6 +76,7 @@ class ShardedUnit:
         self.index = index
         self.layout = layout
         self.group = group
+        self.reduce_group = group if reduce_group is None else reduce_group   # reduce-scatters run here
         self.backend = group.backend
         self.rank = group.rank
         self.master_dtype = master_dtype
@@ -210,7 +211,7 @@ class ShardedUnit:
                                for g, s in zip(grads, L.slots)]
                     self.pack_slots(tensors, inp)
             out = torch.empty(L.shard_numel, dtype=self.reduce_dtype, device=device)
-            work = dist.reduce_scatter_tensor(out, inp, op=ReduceOp.AVG, group=self.group, async_op=True)
+            work = dist.reduce_scatter_tensor(out, inp, op=ReduceOp.AVG, group=self.reduce_group, async_op=True)
         return PendingReduce(self, work, out, inp)
 
     def finish_reduce(self, pending: PendingReduce) -> None:

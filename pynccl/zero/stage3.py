@@ -18,8 +18,10 @@ Gradients are reduce-scattered in one fixed order on every rank (descending unit
 root last), not in the order hooks fire: a unit whose hook fires early waits for the units
 before it in that order, and at the end of backward every unit still waiting is reduced,
 with a zero gradient where its hook never fired (a conditional branch skipped it, here or
-on all ranks). So the collectives match on every rank, and a model that runs its blocks in
-order keeps full overlap.
+on all ranks). All-gathers follow their own fixed order (block index). The two sequences
+interleave differently on a rank that skipped a block, so the reduce-scatters run on a second
+communicator over the same ranks: each sequence matches on every rank, and a model that runs
+its blocks in order keeps full overlap.
 
 Activation checkpointing: a unit's forward that runs inside backward (recomputation) gathers
 only that unit, prefetches nothing forward, and keeps it for the backward that follows, so
@@ -28,6 +30,7 @@ no more than two units (and the root) are gathered at a time during backward.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -35,6 +38,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from ..comm.groups import duplicate_group
 from .flat_unit import ReduceQueue, ShardedUnit
 from .layout import FlatLayout
 from .params import ParamInfo, install
@@ -57,6 +61,11 @@ class ShardedParamsRuntime:
                 owner_units = {unit_of_module.get(id(mod), 0) for mod, _ in info.owners}
                 members[owner_units.pop() if len(owner_units) == 1 else 0].append((info, t))
 
+        # NOTE: all-gathers follow one fixed order, and reduce-scatters another (see below), but how
+        # the two interleave depends on which hooks fire on each rank (a block one rank skips
+        # reduces only at the end there). On one communicator that mismatch would hang, so the
+        # reduce-scatters run on a second communicator over the same ranks.
+        self.reduce_group = duplicate_group(group, "zero3-reduce") if group.world_size > 1 else group
         self.units: List[ShardedUnit] = []
         self.unit_infos: List[List[ParamInfo]] = []
         self.root: Optional[ShardedUnit] = None
@@ -67,12 +76,17 @@ class ShardedParamsRuntime:
             layout = FlatLayout([i.name for i, _ in group_members], [t.shape for _, t in group_members],
                                 [i.index for i, _ in group_members], group.world_size)
             unit = ShardedUnit(len(self.units), layout, [t for _, t in group_members], group, policy.param_dtype,
-                               policy.reduce_dtype, persistent=False, sync_from_first_rank=sync_module_states)
+                               policy.reduce_dtype, persistent=False, sync_from_first_rank=sync_module_states,
+                               reduce_group=self.reduce_group)
             for slot_idx, (info, _) in enumerate(group_members):
                 info.location = (unit.index, slot_idx)
             self.units.append(unit)
             self.unit_infos.append([i for i, _ in group_members])
-            unit.full.register_post_accumulate_grad_hook(functools.partial(self._post_backward, unit))
+            # NOTE: a tensor hook is held from C++, where the garbage collector cannot see it: a
+            # strong reference to the runtime (or the unit, which holds the tensor) would keep the
+            # whole runtime, every shard included, alive after the model is dropped.
+            unit.full.register_post_accumulate_grad_hook(functools.partial(_post_backward_via, weakref.ref(self),
+                                                                            unit.index))
             if u_idx == 0:
                 self.root = unit
             else:
@@ -288,6 +302,12 @@ class ShardedParamsRuntime:
                 "grads_unreduced": [u.full.grad for u in self.units] + list(self._ready.values()),
                 "grads_in_flight": self.in_flight.buffers(),
                 "grads_shard": [g for u in self.units for g in u.grads]}
+
+
+def _post_backward_via(runtime_ref, index: int, full: torch.Tensor) -> None:
+    runtime = runtime_ref()
+    if runtime is not None:
+        runtime._post_backward(runtime.units[index], full)
 
 
 def _in_backward() -> bool:

@@ -5,6 +5,13 @@ all-gather is bandwidth- rather than latency-bound: a transformer layer is the t
 choice. "auto" picks the children of every nn.ModuleList (how GPT/LLaMA-style models hold
 their layers), else the root's direct children. Units never nest: only the outermost
 selected module counts. Parameters outside every unit belong to the root unit.
+
+With layers found, "auto" also makes a unit of every other module that holds, itself, at least
+a quarter of an average layer's parameters: an untied token embedding and LM head (a Llama's
+are 1.07 layers each at 1B). The root unit is gathered before the forward starts and reduced
+after backward ends, both exposed; as units, the head's gather and reduce-scatter overlap the
+layers' compute, and the embedding's gather is half the root's. A weight tied between two such
+modules (GPT-2's wte / lm_head) stays in the root: a parameter used by two units belongs to none.
 """
 from __future__ import annotations
 
@@ -15,11 +22,28 @@ from torch import nn
 WrapSpec = Union[None, str, Sequence[Union[type, nn.Module]], Callable[[nn.Module], bool]]
 
 
+def _numel(m: nn.Module, recurse: bool = True) -> int:
+    return sum(p.numel() for p in m.parameters(recurse=recurse))
+
+
 def _auto(root: nn.Module) -> List[nn.Module]:
-    picked = [child for m in root.modules() if isinstance(m, nn.ModuleList) for child in m.children()]
-    if picked:
-        return picked
-    return [c for c in root.children() if any(True for _ in c.parameters())]
+    layers = [child for m in root.modules() if isinstance(m, nn.ModuleList) for child in m.children()]
+    if not layers:
+        return [c for c in root.children() if any(True for _ in c.parameters())]
+    inside = {id(sub) for layer in layers for sub in layer.modules()}
+    layer_ids = {id(layer) for layer in layers}
+    threshold = max(1.0, sum(_numel(layer) for layer in layers) / len(layers) / 4)
+    holders = {}                                   # id(parameter) -> how many modules hold it
+    for m in root.modules():
+        for p in m.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    # Left out: modules inside a layer, modules holding a layer (units never nest, the layer
+    # would be lost in it), and modules holding a tied parameter (it goes to the root anyway).
+    big = [m for m in root.modules()
+           if m is not root and id(m) not in inside and _numel(m, recurse=False) >= threshold
+           and not any(id(sub) in layer_ids for sub in m.modules())
+           and all(holders[id(p)] == 1 for p in m.parameters(recurse=False))]
+    return layers + big
 
 
 def select_unit_modules(root: nn.Module, wrap_modules: WrapSpec) -> List[nn.Module]:

@@ -124,6 +124,11 @@ class Backend(abc.ABC):
         """Collective over this backend's ranks: returns the backend of the sub-group made of
         group-local `ranks` (sorted) named `name`, or None on ranks not in it."""
     @abc.abstractmethod
+    def duplicate(self, timeout: float, name: str):
+        """Collective over this backend's ranks only: a second backend over the same ranks, whose
+        collectives are ordered apart from this one's (two sequences that may interleave
+        differently on different ranks, e.g. ZeRO-3's all-gathers and reduce-scatters)."""
+    @abc.abstractmethod
     def destroy(self): ...
     @abc.abstractmethod
     def abort(self): ...

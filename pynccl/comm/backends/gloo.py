@@ -409,6 +409,14 @@ class GlooBackend(Backend):
             return None
         return GlooBackend(pg, ranks.index(self.rank), len(ranks), timeout_s, name or f"split{len(ranks)}")
 
+    def duplicate(self, timeout_s, name: str) -> "GlooBackend":
+        """A torch gloo group over the same ranks, made by them alone (use_local_synchronization)."""
+        global_ranks = [tdist.get_global_rank(self.pg, r) if self.pg is not tdist.group.WORLD else r
+                        for r in range(self.world_size)]
+        pg = tdist.new_group(global_ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                             use_local_synchronization=True)
+        return GlooBackend(pg, self.rank, self.world_size, timeout_s, name)
+
     def destroy(self):
         self._destroyed = True
         if self.owns_pg and self.pg is not tdist.group.WORLD and tdist.is_initialized():

@@ -159,6 +159,10 @@ class NcclBackend(_CppOps, Backend):
         child = self.comm.split(color, key, _seconds(timeout), name)
         return None if child is None else NcclBackend(child)
 
+    def duplicate(self, timeout, name: str) -> "NcclBackend":
+        """ncclCommSplit of every rank into one new communicator (collective over this one)."""
+        return self.split(list(range(self.world_size)), timeout, name)
+
     def destroy(self):
         """Collective: ncclCommFinalize then ncclCommDestroy, bounded by the timeout (a blocking
         finalize by the watchdog: past it, the process ends as on any time-out). Returns at once
