@@ -233,12 +233,12 @@ def _checkpointing(rank, ws):
 class _Branchy(nn.Module):
     """Three blocks; `skip` says which block this rank's forward leaves out."""
 
-    def __init__(self, checkpointing=None):
+    def __init__(self, checkpointing=None, num_blocks=3):
         super().__init__()
         self.checkpointing = checkpointing             # None, or torch checkpoint's use_reentrant
         torch.manual_seed(0)
         self.emb = nn.Embedding(VOCAB, 16)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(num_blocks)])
         self.head = nn.Linear(16, VOCAB)
 
     def forward(self, x, skip=()):
@@ -274,6 +274,21 @@ def _conditional_units(rank, ws):
     full = model.full_state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(full[k], v, atol=PARAM_TOL, rtol=0, msg=lambda m: f"conditional [{k}]: {m}")
+    # Eight blocks, one high up skipped on rank 1: the other ranks reduce it long before rank 1
+    # does (at its end of backward), and must not wait for that reduce before starting the
+    # all-gathers rank 1 still needs (that wait deadlocked, on gloo's host as on NCCL's streams).
+    ref, model = _Branchy(num_blocks=8), wrap(_Branchy(num_blocks=8), 3)
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
+    skip = lambda r: (6,) if r == 1 else ()            # noqa: E731
+    for step in range(2):
+        x = batch(step)
+        sum(ref(local(x, r, ws), skip(r)) for r in range(ws)).div(ws).backward()
+        model(local(x, rank, ws), skip(rank)).backward()
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    full = model.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, atol=PARAM_TOL, rtol=0, msg=lambda m: f"8 blocks [{k}]: {m}")
 
 
 def _case(rank, ws):

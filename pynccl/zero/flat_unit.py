@@ -46,6 +46,13 @@ class ReduceQueue:
             p = self.pending.pop(0)
             p.unit.finish_reduce(p)
 
+    def trim_completed(self) -> None:
+        """Finish the oldest while they have completed (never waits: they run in order on one
+        stream, so the first one still running ends the scan)."""
+        while self.pending and self.pending[0].work.is_completed():
+            p = self.pending.pop(0)
+            p.unit.finish_reduce(p)
+
     def drain(self) -> None:
         self.trim(0)
 

@@ -42,7 +42,6 @@ from ..comm.groups import duplicate_group
 from .flat_unit import ReduceQueue, ShardedUnit
 from .layout import FlatLayout
 from .params import ParamInfo, install
-from .stage12 import MAX_IN_FLIGHT
 
 
 class ShardedParamsRuntime:
@@ -102,7 +101,7 @@ class ShardedParamsRuntime:
         self._bwd = len(self._blocks) - 1                # next block backward gathers
         self._end_queued = False
         self.sync_grads = True
-        self.in_flight = ReduceQueue(MAX_IN_FLIGHT)
+        self.in_flight = ReduceQueue(0)               # see _reduce_in_order: drained at the end of backward
         self._ready: Dict[int, torch.Tensor] = {}        # unit index -> full gradient waiting for its turn
         self._cursor = len(self.units) - 1               # next unit index to reduce (descending)
 
@@ -264,7 +263,12 @@ class ShardedParamsRuntime:
                     grad = torch.zeros(unit.layout.padded_numel, dtype=unit.reduce_dtype, device=unit.full.device)
             self.in_flight.append(unit.reduce_grad([grad]))
             del grad                                   # the reduce's input holds it now
-            self.in_flight.trim()
+            # NOTE: never a wait here: a rank that skipped a block starts its reduce only at the
+            # end of backward; making this rank's compute stream wait for it would also hold back
+            # this rank's later all-gathers (they wait for the compute stream), which the other
+            # rank needs to finish its backward: a deadlock on NCCL. Finished reduces free their
+            # buffers here; the rest wait for drain() at the end of backward.
+            self.in_flight.trim_completed()
             self._cursor -= 1
 
     def _end_of_backward(self) -> None:
