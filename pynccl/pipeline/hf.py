@@ -18,6 +18,8 @@ HF checkpoint (each rank's stages' entries). transformers is imported only when 
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import List, Optional, Sequence
 
 import torch
@@ -45,8 +47,15 @@ def _causal_mask(config, hidden: torch.Tensor, position_ids: torch.Tensor):
     """The mask HF's forward builds for a batch without padding (None where the attention kernel
     applies causality itself, e.g. SDPA's is_causal)."""
     from transformers.masking_utils import create_causal_mask
-    return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                              position_ids=position_ids)
+    # The no-cache argument is `cache` from transformers 5.2x on, `past_key_values` before (deprecated since).
+    no_cache = {"cache" if "cache" in _parameters(create_causal_mask) else "past_key_values": None}
+    return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=None, position_ids=position_ids,
+                              **no_cache)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 class _CausalLMStage(nn.Module):
