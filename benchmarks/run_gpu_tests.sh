@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU test of the suite on a machine with 4 GPUs, in about 12 minutes (more than one device call
+# Every GPU test of the suite on a machine with 4 GPUs, in about 15 minutes (more than one device call
 # allows: run it with STAGE=a, then STAGE=b): the `gpu` tests on GPU 0 while the `multigpu` tests run
 # at 2 GPUs on GPUs 2,3 (a: over 5.5 min since the fault tests joined); then the `multigpu` tests at 4 GPUs
 # (b: 18 of its 26 tests took 340 s in session 5, so about 9 min).
