@@ -133,7 +133,11 @@ def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce
         if inp_is_grad:
             tl.add("grads_in_flight", inp)
         in_flight.append((i, inp, reduce * S[i]))
-        while len(in_flight) > MAX_IN_FLIGHT:
+        # Stages 1/2 finish the oldest beyond MAX_IN_FLIGHT (ReduceQueue.trim). Stage 3 never
+        # waits: it finishes those already complete (trim_completed) and here every reduce but
+        # the one just started is taken to be complete by then, the collective keeping up with
+        # backward (on gloo's threads, with these sizes, it does).
+        while len(in_flight) > (MAX_IN_FLIGHT if stage in (1, 2) else 1):
             finish()
 
     def finish():

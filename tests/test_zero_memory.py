@@ -30,9 +30,18 @@ def test_measured_model_state_matches_formula_plus_named(world_size):
         where = f"N={n} stage {res['stage']} rank {r['rank']}"
         assert formula + named == pytest.approx(expected), where
         # The sampler sees most, not all, of the transient peaks the replay includes; the replay
-        # takes gradients to arrive bucket by bucket (a few may come a bucket early).
-        assert 0.95 * expected <= measured <= 1.01 * expected, f"{where}: measured {measured} vs expected {expected}"
+        # takes gradients to arrive bucket by bucket (a few may come a bucket early). Stage 3 frees
+        # a reduce-scatter's buffers once it has completed, never waiting for it: the replay takes
+        # all but the newest to be done, and one more still running (gloo's threads lagging) is
+        # up to +3 % here; buffers kept until the end of backward would be +40 %.
+        upper = 1.05 if res["stage"] == 3 else 1.01
+        assert 0.95 * expected <= measured <= upper * expected, f"{where}: measured {measured} vs expected {expected}"
         assert measured >= formula * (0.99 if res["stage"] == 3 else 1.0), f"{where}: below the paper's formula"
         for role in ("params_full", "params_shard", "grads_shard", "optim"):
             got = res["peak"]["optim"] if role == "optim" else res["peak"]["detail"][role]
-            assert got <= res["expected"][role] * 1.001 + 1024, f"{where}: {role} {got} > {res['expected'][role]}"
+            bound = res["expected"][role]
+            if role == "grads_shard" and res["stage"] == 3:
+                # How many reduces have finished at the peak depends on timing (see above): at
+                # most every shard's gradient, as many fp32 elements as the parameter shards.
+                bound = res["expected"]["params_shard"]
+            assert got <= bound * 1.001 + 1024, f"{where}: {role} {got} > {bound}"
