@@ -90,8 +90,10 @@ class ShardedParamsRuntime:
                 self.root = unit
             else:
                 m = unit_modules[u_idx - 1]
-                m.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
-                m.register_forward_hook(functools.partial(self._post_forward, unit))
+                # NOTE: torch.compile of a unit (module.compile() compiles its __call__, hooks
+                # included) must not trace these: they start collectives and swap parameters.
+                m.register_forward_pre_hook(torch._dynamo.disable(functools.partial(self._pre_forward, unit)))
+                m.register_forward_hook(torch._dynamo.disable(functools.partial(self._post_forward, unit)))
             self._install_placeholders(unit)
 
         self._by_storage: Dict[int, ShardedUnit] = {}    # data_ptr of a gathered buffer -> its unit
