@@ -4,7 +4,8 @@
 #   #15  ZeRO-3 against FSDP2 on the ~1B Llama, the two sides alternating (--repeats)
 #   #18  GPipe and 1F1B against torch.distributed.pipelining, with a per-rank timeline of one step
 #   #19  DDP over the floor with the hidden-all-reduce bound (nanoGPT 124M, HF GPT-2 medium), 4 then 2 GPUs
-#   the ZeRO GPU tests (zerotests), every GPU test (gputests: run_gpu_tests.sh), ZeRO-3 on GPT-2 medium (zero3gpt2)
+#   the ZeRO GPU tests (zerotests), every GPU test (gputests: run_gpu_tests.sh), ZeRO-3 on GPT-2 medium (zero3gpt2),
+#   ZeRO-1/2 against FSDP2 on the ~1B Llama (zero12)
 #   BUDGET=540 STEPS="zero3 pp ddp4 ddp2" benchmarks/run_open_issues.sh OUTDIR
 set -uo pipefail
 O=${1:?usage: run_open_issues.sh OUTDIR}
@@ -41,6 +42,7 @@ for s in $STEPS; do
     zero3) tb llama1b_zero3 150 $L1B --batch 4 --strategy zero3 --warmup 3 --steps 12 --repeats 3 ;;
     pp) tb llama1b_pp 200 $L1B --batch 8 --microbatches 8 --strategy pp-gpipe,pp-1f1b --warmup 3 --steps 10 --repeats 2 --timeline ;;
     gputests) step gpu_tests 420 bash benchmarks/run_gpu_tests.sh "$O/gpu_tests" ;;
+    zero12) tb llama1b_zero12 200 $L1B --batch 4 --strategy zero1,zero2 --warmup 3 --steps 12 --repeats 2 ;;
     zero3gpt2) tb gpt2m_zero3 100 --model hf-gpt2 --hidden 1024 --layers 24 --heads 16 --vocab 50257 --seq 1024 \
                  --batch 8 --strategy zero3 --warmup 3 --steps 12 --repeats 2 ;;
     zerotests) step zero_gpu_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_zero_gpu.py -m "gpu or multigpu" ;;
