@@ -124,12 +124,12 @@ class FullyShardedDataParallel(nn.Module):
         args, kwargs = cast_inputs(self.policy, args, kwargs)
         rt = self._runtime
         if self.stage != 3:
-            _eager(rt.pre_forward)(self._sync_grads)
+            rt.pre_forward(self._sync_grads)
             return self.module(*args, **kwargs)
-        _eager(rt.pre_root_forward)(self._sync_grads)
+        rt.pre_root_forward(self._sync_grads)
         with torch.autograd.graph.saved_tensors_hooks(rt.pack, rt.unpack):
             out = self.module(*args, **kwargs)
-        _eager(rt.post_root_forward)(out)
+        rt.post_root_forward(out)
         return out
 
     @contextlib.contextmanager
@@ -188,9 +188,3 @@ class FullyShardedDataParallel(nn.Module):
         """Bytes this rank holds now in parameters, gradients and optimizer state, counted
         from the distinct tensor storages (what ZeRO's memory formulas count); see memory.py."""
         return held_bytes(self, optimizer)
-
-
-def _eager(fn):
-    """fn, never traced by torch.compile (it starts collectives and swaps parameters): under
-    torch.compile(model) the wrapper's bookkeeping runs eagerly, the model's code is compiled."""
-    return torch._dynamo.disable(fn)

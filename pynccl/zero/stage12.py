@@ -83,6 +83,7 @@ class ReplicatedParamsRuntime:
         return any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
 
     # ------------------------------------------------------------------ forward
+    @torch._disable_dynamo                             # never traced by torch.compile (collectives)
     def pre_forward(self, sync_grads: bool) -> None:
         stale = [u for u in self.units if not u.is_current]
         for u in stale:                                # start every gather, then wait: they overlap

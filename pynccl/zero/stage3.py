@@ -90,10 +90,8 @@ class ShardedParamsRuntime:
                 self.root = unit
             else:
                 m = unit_modules[u_idx - 1]
-                # NOTE: torch.compile of a unit (module.compile() compiles its __call__, hooks
-                # included) must not trace these: they start collectives and swap parameters.
-                m.register_forward_pre_hook(torch._dynamo.disable(functools.partial(self._pre_forward, unit)))
-                m.register_forward_hook(torch._dynamo.disable(functools.partial(self._post_forward, unit)))
+                m.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+                m.register_forward_hook(functools.partial(self._post_forward, unit))
             self._install_placeholders(unit)
 
         self._by_storage: Dict[int, ShardedUnit] = {}    # data_ptr of a gathered buffer -> its unit
@@ -170,6 +168,10 @@ class ShardedParamsRuntime:
             self._bwd -= 1
 
     # ------------------------------------------------------------------ forward
+    # NOTE: torch.compile must not trace the forward bookkeeping (collectives, parameter swaps:
+    # traced, they crashed dynamo's shape guards), neither under torch.compile(model) nor when a
+    # unit is compiled (module.compile() compiles __call__, hooks included): it runs eagerly.
+    @torch._disable_dynamo
     def pre_root_forward(self, sync_grads: bool) -> None:
         if torch.is_grad_enabled():                    # an evaluation forward leaves a pending backward alone
             self.sync_grads = sync_grads
@@ -180,6 +182,7 @@ class ShardedParamsRuntime:
         self._fwd = 0
         self._forward_gather_to(0, free_passed=False)  # the first block is gathering while the root runs
 
+    @torch._disable_dynamo
     def _pre_forward(self, unit: ShardedUnit, module, args) -> None:
         pos = self._pos[unit.index]
         if _in_backward():                             # recomputation (activation checkpointing)
@@ -192,6 +195,7 @@ class ShardedParamsRuntime:
         if not _in_backward():
             self._forward_gather_to(pos + 1, free_passed=False)      # prefetch
 
+    @torch._disable_dynamo
     def _post_forward(self, unit: ShardedUnit, module, args, output) -> None:
         if torch.is_grad_enabled():
             self._hook_outputs(output, functools.partial(self._pre_backward, unit))
@@ -208,6 +212,7 @@ class ShardedParamsRuntime:
             register_multi_grad_hook(outs, hook, mode="any")
         return bool(outs)
 
+    @torch._disable_dynamo
     def post_root_forward(self, output=None) -> None:
         # NOTE: backward reaches the model's outputs first, in the outermost autograd task: queue
         # the end-of-backward callback there. Queued from a unit hook instead, it could land in
