@@ -5,7 +5,8 @@
 #   #18  GPipe and 1F1B against torch.distributed.pipelining, with a per-rank timeline of one step
 #   #19  DDP over the floor with the hidden-all-reduce bound (nanoGPT 124M, HF GPT-2 medium), 4 then 2 GPUs
 #   the ZeRO GPU tests (zerotests), every GPU test (gputests: run_gpu_tests.sh), ZeRO-3 on GPT-2 medium (zero3gpt2),
-#   ZeRO-1/2 against FSDP2 on the ~1B Llama (zero12)
+#   ZeRO-1/2 against FSDP2 on the ~1B Llama (zero12), CUDA-graphed pipeline stages: their GPU tests
+#   (ppgraphtests) and GPipe/1F1B with and without graphs against torch.distributed.pipelining (ppgraphs)
 #   BUDGET=540 STEPS="zero3 pp ddp4 ddp2" benchmarks/run_open_issues.sh OUTDIR
 set -uo pipefail
 O=${1:?usage: run_open_issues.sh OUTDIR}
@@ -41,6 +42,9 @@ for s in $STEPS; do
   case $s in
     zero3) tb llama1b_zero3 150 $L1B --batch 4 --strategy zero3 --warmup 3 --steps 12 --repeats 3 ;;
     pp) tb llama1b_pp 200 $L1B --batch 8 --microbatches 8 --strategy pp-gpipe,pp-1f1b --warmup 3 --steps 10 --repeats 2 --timeline ;;
+    ppgraphs) tb llama1b_ppgraphs 240 $L1B --batch 8 --microbatches 8 \
+                --strategy pp-1f1b-graphs,pp-gpipe-graphs,pp-1f1b --warmup 3 --steps 10 --repeats 2 ;;
+    ppgraphtests) step pp_graph_tests 150 python3 -m pytest -v -rA -p no:cacheprovider tests/test_pipeline_graphs_gpu.py ;;
     gputests) step gpu_tests 420 bash benchmarks/run_gpu_tests.sh "$O/gpu_tests" ;;
     zero12) tb llama1b_zero12 200 $L1B --batch 4 --strategy zero1,zero2 --warmup 3 --steps 12 --repeats 2 ;;
     zero3gpt2) tb gpt2m_zero3 100 --model hf-gpt2 --hidden 1024 --layers 24 --heads 16 --vocab 50257 --seq 1024 \

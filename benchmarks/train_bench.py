@@ -17,7 +17,9 @@ Pairs (--strategy, a comma list or all):
                        parallelize_module, torchtitan's Llama plan (tp = world size; bf16 autocast)
   pp-gpipe|pp-1f1b|pp-interleaved   pynccl.pipeline vs torch.distributed.pipelining, the same HF
                        stages (pynccl.pipeline.hf), --microbatches micro-batches (pp = world size;
-                       interleaved: 2 stages per rank)
+                       interleaved: 2 stages per rank); with a -graphs suffix (pp-1f1b-graphs, ...),
+                       pynccl's stages replay CUDA graphs (PipelineStage(cuda_graph=True)) against
+                       torch's same schedule, eager
   tp2xdp2              pynccl TP (tp 2) + ZeRO-3 (dp world/2) vs DTensor TP + FSDP2 on a 2-D mesh
 --batch is sequences per model replica (per data-parallel rank), so tokens/s counts the whole job:
 batch × seq × dp / step time. Every step uses the same batch (per replica): the loss falls, and
@@ -49,7 +51,8 @@ RUNNERS = {"pynccl": pynccl_runners.build, "torch": torch_runners.build}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a Hugging Face model with pynccl and with torch, one row each.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--strategy", default="zero3", help="comma list of " + ", ".join(STRATEGIES) + ", or all")
+    p.add_argument("--strategy", default="zero3", help="comma list of " + ", ".join(STRATEGIES) + ", or all (all but the -graphs ones, "
+                   "which need CUDA)")
     p.add_argument("--impl", choices=["both", "pynccl", "torch"], default="both")
     p.add_argument("--model", choices=MODELS, default="hf-llama")
     for name in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab", "seq"):
@@ -90,7 +93,7 @@ def check_sizes(args, strategy: str, world_size: int) -> None:
     """Errors a run would otherwise hit deep inside a schedule, named up front."""
     layout = layout_of(strategy, world_size)
     if strategy.startswith("pp-"):
-        v = 2 if strategy == "pp-interleaved" else 1
+        v = 2 if strategy.startswith("pp-interleaved") else 1
         if args.layers < layout.pp * v:
             raise ValueError(f"{strategy}: {args.layers} layers cannot fill {layout.pp * v} stages")
         if args.batch % args.microbatches:

@@ -92,3 +92,20 @@ def test_neighbour_connection_exchange_is_matched(ws):
     out = run_multiprocess(_connect_case, ws, timeout=60)
     for r, (prev, nxt) in enumerate(out):
         assert prev == [float((r - 1) % ws)] * 3 and nxt == [float((r + 1) % ws)] * 3
+
+
+def _cuda_graph_refusals(rank, world_size):
+    from pynccl.pipeline import PipelineStage
+    mod = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device, but the stage computes on cpu"):
+        PipelineStage(mod, 0, 1, cuda_graph=True)
+    with pytest.raises(TypeError, match="cuda_graph must be a bool, got int"):
+        PipelineStage(mod, 0, 1, cuda_graph=1)
+    assert PipelineStage(mod, 0, 1).graphs is None
+    return True
+
+
+def test_cuda_graph_stage_refuses_what_it_cannot_capture():
+    """CUDA-graphed stages (pipeline/graphs.py; replays are tested on GPUs in
+    test_pipeline_graphs_gpu.py) are refused on a CPU stage, with a message naming the device."""
+    assert run_multiprocess(_cuda_graph_refusals, 1, timeout=60) == [True]

@@ -16,7 +16,7 @@ sys.path.insert(0, BENCH)
 
 import train_bench  # noqa: E402
 from train_bench_lib import pynccl_runners  # noqa: E402
-from train_bench_lib.models import STRATEGIES, Layout, layout_of, parse_strategies  # noqa: E402
+from train_bench_lib.models import STRATEGIES, Layout, layout_of, parse_strategies, pp_schedule  # noqa: E402
 
 TINY = ["--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
         "--vocab", "128", "--seq", "32", "--batch", "4", "--microbatches", "2", "--warmup", "1", "--steps", "3"]
@@ -24,7 +24,11 @@ REL = 1e-4
 
 
 def test_strategies_and_layouts():
-    assert parse_strategies("all") == STRATEGIES
+    # "all": every pair that runs on any device (the -graphs variants need CUDA).
+    assert parse_strategies("all") == [s for s in STRATEGIES if not s.endswith("-graphs")]
+    assert "pp-1f1b-graphs" in STRATEGIES and parse_strategies("pp-1f1b-graphs") == ["pp-1f1b-graphs"]
+    assert pp_schedule("pp-1f1b-graphs") == ("1f1b", True) and pp_schedule("pp-interleaved") == ("interleaved", False)
+    assert layout_of("pp-gpipe-graphs", 4) == Layout(pp=4)
     assert parse_strategies("zero3, pp-1f1b") == ["zero3", "pp-1f1b"]
     with pytest.raises(ValueError, match="unknown"):
         parse_strategies("zero4")

@@ -11,7 +11,8 @@ from typing import Callable, Optional
 
 import torch
 
-STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "tp", "tp-sp", "pp-gpipe", "pp-1f1b", "pp-interleaved", "tp2xdp2"]
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "tp", "tp-sp", "pp-gpipe", "pp-1f1b", "pp-interleaved",
+              "pp-gpipe-graphs", "pp-1f1b-graphs", "pp-interleaved-graphs", "tp2xdp2"]
 MODELS = ["hf-llama", "hf-gpt2"]
 # Flag defaults per model: a 1.1B Llama (Llama-3.2-1B's shape with a 32000 vocabulary) and GPT-2 medium.
 DEFAULTS = {
@@ -51,8 +52,16 @@ def layout_of(strategy: str, world_size: int) -> Layout:
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
 
 
+def pp_schedule(strategy: str):
+    """'pp-1f1b-graphs' -> ('1f1b', True): the schedule, and whether pynccl's stages replay CUDA graphs
+    (PipelineStage(cuda_graph=True); torch.distributed.pipelining's side runs the same schedule eagerly)."""
+    kind = strategy[len("pp-"):]
+    graphs = kind.endswith("-graphs")
+    return (kind[:-len("-graphs")] if graphs else kind), graphs
+
+
 def parse_strategies(text: str):
-    names = STRATEGIES if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    names = [s for s in STRATEGIES if not s.endswith("-graphs")] if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in STRATEGIES]
     if bad or not names:
         raise ValueError(f"--strategy: unknown {bad or text!r}; expected a comma list of "

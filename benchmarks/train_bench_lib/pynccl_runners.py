@@ -15,7 +15,7 @@ import pynccl
 from pynccl.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from pynccl.zero import MixedPrecision
 
-from .models import BenchContext, Trainer, hf_lm_step, pipeline_trainer
+from .models import BenchContext, Trainer, hf_lm_step, pipeline_trainer, pp_schedule
 
 
 def build(strategy: str, ctx: BenchContext) -> Trainer:
@@ -26,7 +26,7 @@ def build(strategy: str, ctx: BenchContext) -> Trainer:
     if strategy in ("tp", "tp-sp"):
         return _tp(ctx, sequence_parallel=strategy == "tp-sp")
     if strategy.startswith("pp-"):
-        return _pp(ctx, strategy[3:])
+        return _pp(ctx, *pp_schedule(strategy))
     if strategy == "tp2xdp2":
         return _tp_zero3(ctx)
     raise ValueError(f"pynccl runner: unknown strategy {strategy!r}")
@@ -88,10 +88,10 @@ def _tp_zero3(ctx: BenchContext) -> Trainer:
     return Trainer(hf_lm_step(ctx, model, opt, ctx.tokens(mesh.dp_rank), autocast=False), [model, opt, mesh])
 
 
-def _pp(ctx: BenchContext, kind: str) -> Trainer:
+def _pp(ctx: BenchContext, kind: str, cuda_graph: bool) -> Trainer:
     group = pynccl.get_default_group()
 
     def make_stage(mod, k, num_stages):
-        return PipelineStage(mod, k, num_stages, device=ctx.device, group=group)
+        return PipelineStage(mod, k, num_stages, device=ctx.device, group=group, cuda_graph=cuda_graph)
     return pipeline_trainer(ctx, kind, make_stage, {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                                                     "interleaved": ScheduleInterleaved1F1B})

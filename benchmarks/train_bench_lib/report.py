@@ -9,11 +9,14 @@ from typing import List
 # What each side runs, for the "runs" column.
 PYNCCL_NAMES = {"ddp": "pynccl DDP", "zero1": "pynccl ZeRO-1", "zero2": "pynccl ZeRO-2", "zero3": "pynccl ZeRO-3",
                 "tp": "pynccl TP", "tp-sp": "pynccl TP+SP", "pp-gpipe": "pynccl GPipe", "pp-1f1b": "pynccl 1F1B",
-                "pp-interleaved": "pynccl interleaved 1F1B", "tp2xdp2": "pynccl TP + ZeRO-3"}
+                "pp-interleaved": "pynccl interleaved 1F1B", "tp2xdp2": "pynccl TP + ZeRO-3",
+                "pp-gpipe-graphs": "pynccl GPipe, graphs", "pp-1f1b-graphs": "pynccl 1F1B, graphs",
+                "pp-interleaved-graphs": "pynccl interl. 1F1B, graphs"}
 TORCH_NAMES = {"ddp": "torch DDP", "zero1": "torch FSDP2", "zero2": "torch FSDP2", "zero3": "torch FSDP2",
                "tp": "DTensor TP", "tp-sp": "DTensor TP+SP", "pp-gpipe": "pipelining GPipe",
                "pp-1f1b": "pipelining 1F1B", "pp-interleaved": "pipelining Interleaved1F1B",
-               "tp2xdp2": "FSDP2 + DTensor TP"}
+               "tp2xdp2": "FSDP2 + DTensor TP", "pp-gpipe-graphs": "pipelining GPipe",
+               "pp-1f1b-graphs": "pipelining 1F1B", "pp-interleaved-graphs": "pipelining Interleaved1F1B"}
 IMPLS = ("pynccl", "torch")
 
 
@@ -33,12 +36,12 @@ def add_ratios(rows: List[dict]) -> None:
                 r["wall_vs_torch"] = r["wall_ms"] / t["wall_ms"]
 
 
-HEADER = (f"{'strategy':<15}{'runs':<27}{'layout':<11}{'tokens/s':>11}{'median ms':>11}{'min ms':>9}"
+HEADER = (f"{'strategy':<22}{'runs':<29}{'layout':<11}{'tokens/s':>11}{'median ms':>11}{'min ms':>9}"
           f"{'peak GiB':>10}{'loss':>9}{'ms vs torch':>13}{'wall ms':>9}{'wall vs torch':>15}")
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['strategy']:<15}{runs_as(r['strategy'], r['impl']):<27}{r['layout']:<11}"
+    head = f"{r['strategy']:<22}{runs_as(r['strategy'], r['impl']):<29}{r['layout']:<11}"
     if r.get("error"):
         return head + f"FAILED: {r['error']}"
     peak = "-" if math.isnan(r["peak_gib"]) else f"{r['peak_gib']:.2f}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .models import BenchContext, Trainer, hf_lm_step, layout_of, pipeline_trainer
+from .models import BenchContext, Trainer, hf_lm_step, layout_of, pipeline_trainer, pp_schedule
 from .torch_tp_plan import loss_parallel_step, tensor_parallelize_llama
 
 
@@ -20,7 +20,7 @@ def build(strategy: str, ctx: BenchContext) -> Trainer:
     if strategy in ("tp", "tp-sp"):
         return _tp(ctx, sequence_parallel=strategy == "tp-sp")
     if strategy.startswith("pp-"):
-        return _pp(ctx, strategy[3:])
+        return _pp(ctx, pp_schedule(strategy)[0])   # no CUDA-graph counterpart: eager
     if strategy == "tp2xdp2":
         return _fsdp2_tp(ctx)
     raise ValueError(f"torch runner: unknown strategy {strategy!r}")

@@ -50,17 +50,21 @@ def _as_tuple(out) -> tuple:
 
 
 class PipelineStage:
-    """PipelineStage(submodule, stage_index, num_stages, device=None, group=None).
+    """PipelineStage(submodule, stage_index, num_stages, device=None, group=None, cuda_graph=False).
 
     group: the pynccl ProcessGroup of the pipeline axis (pp rank = group rank), None for the
     default group. device: where the stage computes (default: the group's device).
+    cuda_graph: capture the module's forward and backward as CUDA graphs and replay them for every
+    micro-batch (graphs.py says what a capture fixes, and what it costs in memory: one captured
+    pair per micro-batch in flight). CUDA only, not with a data-parallel wrapper.
 
     Data parallelism: wrap the stage's module in pynccl.DistributedDataParallel over the dp group.
     Micro-batches then accumulate locally (every forward, and every backward but the stage's last
     of the step, run in no_sync()) and the last backward reduces, once per step.
     """
 
-    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device=None, group=None):
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device=None, group=None,
+                 cuda_graph: bool = False):
         if not isinstance(submodule, nn.Module):
             raise TypeError(f"PipelineStage: submodule must be a torch.nn.Module, got {type(submodule).__name__}")
         for name, value in (("stage_index", stage_index), ("num_stages", num_stages)):
@@ -91,12 +95,27 @@ class PipelineStage:
                              f"on {', '.join(sorted(wrong))}; move it there first (module.to(device))")
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
+        self.graphs = self._make_graphs(cuda_graph)
         # Shapes: of the inputs received (RECV_META) and of the outputs last announced (SEND_META).
         self.inputs_meta: Optional[List[TensorMeta]] = None
         self.outputs_meta_sent: Optional[List[TensorMeta]] = None
         self.num_live_activations = 0
         self.peak_live_activations = 0
         self._reset_step()
+
+    def _make_graphs(self, cuda_graph: bool):
+        if not isinstance(cuda_graph, bool):
+            raise TypeError(f"PipelineStage: cuda_graph must be a bool, got {type(cuda_graph).__name__}")
+        if not cuda_graph:
+            return None
+        if self.device.type != "cuda":
+            raise ValueError(f"PipelineStage: cuda_graph=True needs a CUDA device, but the stage computes on "
+                             f"{self.device}")
+        if self._is_pynccl_ddp:
+            raise TypeError("PipelineStage: cuda_graph=True takes the stage module itself; a data-parallel "
+                            "wrapper's forward does host-side bookkeeping a graph cannot replay")
+        from .graphs import StageGraphs
+        return StageGraphs(self.submodule, self.device)
 
     def __repr__(self):
         return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, pp rank {self.group.rank}, {self.device})"
@@ -110,15 +129,21 @@ class PipelineStage:
         self.losses: Dict[int, torch.Tensor] = {}
         self.num_live_activations = 0
         self.peak_live_activations = 0
+        if self.graphs is not None:
+            self.graphs.reset()
 
     # --- forward -------------------------------------------------------------------------
     def forward_one_chunk(self, mb: int, args: Sequence) -> tuple:
-        with _no_sync(self.submodule):
-            out = _as_tuple(self.submodule(*args))
+        if self.graphs is not None:
+            out = self.graphs(mb, args)
+        else:
+            with _no_sync(self.submodule):
+                out = _as_tuple(self.submodule(*args))
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
         self._fwd_cache[mb] = (inputs, out)
         if self.is_last:
-            self.outputs[mb] = tuple(t.detach() for t in out)
+            # A graph's outputs are its static buffers, which the next replay overwrites.
+            self.outputs[mb] = tuple(t.detach().clone() if self.graphs is not None else t.detach() for t in out)
         self.num_live_activations += 1
         self.peak_live_activations = max(self.peak_live_activations, self.num_live_activations)
         return out
@@ -187,6 +212,8 @@ class PipelineStage:
             # Gradients of the floating-point inputs, zeros where an input did not reach the loss.
             self._input_grads[mb] = [torch.zeros_like(t) if t.grad is None else t.grad.contiguous()
                                      for t in inputs if _carries_grad(t)]
+        if self.graphs is not None:
+            self.graphs.release(mb)
         self.num_live_activations -= 1
 
     def input_grads_to_send(self, mb: int) -> List[torch.Tensor]:
