@@ -102,10 +102,54 @@ def _cuda_graph_refusals(rank, world_size):
     with pytest.raises(TypeError, match="cuda_graph must be a bool, got int"):
         PipelineStage(mod, 0, 1, cuda_graph=1)
     assert PipelineStage(mod, 0, 1).graphs is None
+    # A ZeRO or DDP wrapper anywhere inside the stage (examples/train_llama.py pipelines a ZeRO-3 model
+    # inside a plain module) communicates and frees parameters in forward: refused, named.
+    zero = pynccl.FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), stage=3)
+    with pytest.raises(TypeError, match=r"but inner is a pynccl data-parallel wrapper"):
+        PipelineStage(nn.ModuleDict({"inner": zero}), 0, 1, cuda_graph=True)
+    ddp = pynccl.DistributedDataParallel(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"but the stage module is a pynccl data-parallel wrapper"):
+        PipelineStage(ddp, 0, 1, cuda_graph=True)
     return True
 
 
 def test_cuda_graph_stage_refuses_what_it_cannot_capture():
     """CUDA-graphed stages (pipeline/graphs.py; replays are tested on GPUs in
-    test_pipeline_graphs_gpu.py) are refused on a CPU stage, with a message naming the device."""
+    test_pipeline_graphs_gpu.py) are refused on a CPU stage and around data-parallel wrappers, with
+    a message naming the device or the wrapper."""
     assert run_multiprocess(_cuda_graph_refusals, 1, timeout=60) == [True]
+
+
+def test_cuda_graph_signature_sees_what_a_capture_fixes():
+    """Everything a captured graph bakes in is in its signature, so a change raises instead of
+    replaying stale graphs: input shape, dtype, requires_grad and device, non-tensor arguments, grad
+    mode, a submodule's train/eval mode, a parameter's storage or requires_grad, a buffer's storage."""
+    from pynccl.pipeline.graphs import _signature, check_signature
+    mod = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    x = torch.randn(2, 4, requires_grad=True)
+    base = _signature([x, 3], mod)
+    check_signature(base, _signature([torch.randn(2, 4).requires_grad_(), 3], mod), 0)   # same: passes
+    for args, match in (([torch.randn(3, 4, requires_grad=True), 3], r"micro-batch 5 has inputs \[\(3, 4\) float32"),
+                        ([x.double(), 3], "float64"), ([x.detach(), 3], r"inputs \[\(2, 4\) float32 on cpu, 3\]"),
+                        ([x, 4], r"float32 requires_grad on cpu, 4\]")):
+        with pytest.raises(ValueError, match=match):
+            check_signature(base, _signature(args, mod), 5)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="grad mode off, but the stage's graphs were captured for .* grad mode on"):
+            check_signature(base, _signature([x, 3], mod), 0)
+    changes = [
+        (lambda: mod[1].eval(), lambda: mod[1].train(), "a submodule's training/eval mode changed"),
+        (lambda: mod[0].weight.requires_grad_(False), lambda: mod[0].weight.requires_grad_(True),
+         "a parameter's storage or requires_grad changed"),
+        (lambda: setattr(mod[0].weight, "data", mod[0].weight.data.clone()), None,
+         "a parameter's storage or requires_grad changed"),
+        (lambda: setattr(mod[1], "running_mean", mod[1].running_mean.clone()), None, "a buffer's storage changed"),
+    ]
+    for change, undo, match in changes:
+        base = _signature([x, 3], mod)
+        change()
+        with pytest.raises(RuntimeError, match=match):
+            check_signature(base, _signature([x, 3], mod), 0)
+        if undo is not None:
+            undo()
+            check_signature(base, _signature([x, 3], mod), 0)

@@ -12,10 +12,23 @@ each in its own memory pool. The graphs read the parameters in place (an optimiz
 in place, as torch's do) and hand their gradients to autograd, which accumulates them into .grad as
 usual; gradients of the stage's inputs are copies, so a send can never see a later replay's values.
 
-What a capture fixes: the input shapes/dtypes/requires_grad, the non-tensor arguments, the autocast
-state (captured with its weight cache off: graphs recast weights every replay) and the parameter
-set. A later micro-batch that differs raises instead of replaying a stale graph. Not for modules
-whose forward syncs with the host or branches on data (nothing can be captured there).
+What a capture fixes: the input shapes/dtypes/requires_grad/device, the non-tensor arguments, the
+autocast state (captured with its weight cache off: graphs recast weights every replay), grad mode,
+every submodule's training flag, and the storage and requires_grad of every parameter and buffer.
+A later micro-batch that differs raises instead of replaying a stale graph. Not for modules whose
+forward syncs with the host or branches on data (nothing can be captured there), nor for modules
+that communicate or reshape parameters in forward (DDP and ZeRO wrappers are refused).
+
+Side effects of a capture: each slot runs the module once eagerly first (lazy initialisation must
+not happen inside a capture), so buffers a forward updates (BatchNorm statistics) and the RNG move
+once more per slot, in the first step; entering a capture synchronises the device (torch.cuda.graph)
+once per slot, in the first step, which the schedules allow: schedule_checker proves them free of
+deadlock even when every batch of sends and receives blocks until its peers have matched it.
+
+Why the static outputs may be handed to a send: a slot is reused only after its micro-batch's
+backward, which waits for the gradients of those outputs to arrive from the next stage, and the
+next stage sends them only after receiving the outputs; outputs that get no gradient back
+(non-differentiable ones) are copies.
 """
 from __future__ import annotations
 
@@ -25,28 +38,50 @@ import torch
 from torch import nn
 
 
-def _signature(args: Sequence, params: Sequence[torch.Tensor]) -> tuple:
-    """What a capture is valid for (see the module docstring)."""
-    parts = []
+def _signature(args: Sequence, module: nn.Module) -> tuple:
+    """What a capture is valid for (see the module docstring): (inputs, context, module state)."""
+    inputs = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            parts.append(("tensor", tuple(a.shape), a.dtype, a.requires_grad, str(a.device)))
+            inputs.append(("tensor", tuple(a.shape), a.dtype, a.requires_grad, str(a.device)))
         else:
-            parts.append(("value", repr(a)))
-    autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-    return tuple(parts), autocast, tuple(p.data_ptr() for p in params)
+            inputs.append(("value", repr(a)))
+    context = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), torch.is_grad_enabled())
+    state = (tuple(m.training for m in module.modules()),
+             tuple((p.data_ptr(), p.requires_grad) for p in module.parameters()),
+             tuple(b.data_ptr() for b in module.buffers()))
+    return tuple(inputs), context, state
+
+
+_STATE_PARTS = ("a submodule's training/eval mode", "a parameter's storage or requires_grad", "a buffer's storage")
+
+
+def check_signature(captured: tuple, now: tuple, mb: int) -> None:
+    """Raise if micro-batch mb's signature differs from the one the stage's graphs were captured for."""
+    if now == captured:
+        return
+    changed = [what for what, a, b in zip(_STATE_PARTS, captured[2], now[2]) if a != b]
+    if changed:
+        raise RuntimeError(f"pipeline stage (cuda_graph=True): {' and '.join(changed)} changed since the stage "
+                           f"was captured, and its graphs would replay the old one. Update parameters in place "
+                           f"(as torch optimizers do, not `p.data = ...`), keep the mode and the trainable "
+                           f"parameters as they were, or build the stage anew")
+    raise ValueError(f"pipeline stage (cuda_graph=True): micro-batch {mb} has {_describe(now)}, but the stage's "
+                     f"graphs were captured for {_describe(captured)}; every micro-batch of every step must "
+                     f"match, or build the stage with cuda_graph=False")
 
 
 def _describe(sig: tuple) -> str:
-    args, (ac_on, ac_dtype), _ = sig
+    inputs, (ac_on, ac_dtype, grad_on), _ = sig
     shown = []
-    for kind, *rest in args:
+    for kind, *rest in inputs:
         if kind == "tensor":
-            shape, dtype, grad, _device = rest
-            shown.append(f"{shape} {str(dtype).replace('torch.', '')}{' requires_grad' if grad else ''}")
+            shape, dtype, grad, device = rest
+            shown.append(f"{shape} {str(dtype).replace('torch.', '')}{' requires_grad' if grad else ''} on {device}")
         else:
             shown.append(rest[0])
-    return f"inputs [{', '.join(shown)}], autocast {str(ac_dtype).replace('torch.', '') if ac_on else 'off'}"
+    autocast = str(ac_dtype).replace('torch.', '') if ac_on else 'off'
+    return f"inputs [{', '.join(shown)}], autocast {autocast}, grad mode {'on' if grad_on else 'off'}"
 
 
 class _Slot:
@@ -111,12 +146,12 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, slot: _Slot, params: List[torch.Tensor], *tensors):
         for i, t in zip(slot.tensor_idx, tensors):
-            static = slot.static_args[i]
-            if static.data_ptr() != t.data_ptr():
-                static.copy_(t)
+            slot.static_args[i].copy_(t)
         slot.fwd.replay()
         ctx.slot, ctx.params = slot, params
-        outs = tuple(o.detach() for o in slot.static_outs)
+        # Non-differentiable outputs are copies: no gradient comes back for them, so nothing orders a
+        # send of them before the slot's next replay (see the module docstring).
+        outs = tuple(o.detach() if d else o.clone() for o, d in zip(slot.static_outs, slot.differentiable))
         ctx.mark_non_differentiable(*[o for o, d in zip(outs, slot.differentiable) if not d])
         return outs
 
@@ -127,8 +162,9 @@ class _Replay(torch.autograd.Function):
             static.copy_(g)
         slot.bwd.replay()
         # Input grads are sent to the previous stage: copies, so the slot's next replay cannot race a
-        # send. Parameter grads: autograd adds them in place into an existing .grad, but adopts the
-        # tensor itself where .grad is None, so that first one must be a copy too.
+        # send. Parameter grads: autograd adds them in place into an existing .grad; where .grad is
+        # None it would copy a buffer the slot still holds, so hand it a copy it can adopt instead
+        # (one copy either way, but .grad never aliases the slot's memory, whatever autograd does).
         in_grads = iter(slot.static_input_grads)
         per_tensor = []
         for needs in slot.grad_input_mask:
@@ -153,24 +189,23 @@ class StageGraphs:
         self._by_mb: Dict[int, _Slot] = {}
 
     def __call__(self, mb: int, args: Sequence) -> Tuple[torch.Tensor, ...]:
-        sig = _signature(args, self.params)
-        if self.signature is None:
-            self.signature = sig
-        elif sig != self.signature:
-            if sig[2] != self.signature[2]:
-                raise RuntimeError("pipeline stage (cuda_graph=True): a parameter's storage changed since the "
-                                   "stage was captured (e.g. `p.data = ...`); the graphs read the old one. Update "
-                                   "parameters in place (as torch optimizers do) or build the stage anew")
-            raise ValueError(f"pipeline stage (cuda_graph=True): micro-batch {mb} has {_describe(sig)}, but the "
-                             f"stage's graphs were captured for {_describe(self.signature)}; every micro-batch of "
-                             f"every step must match, or build the stage with cuda_graph=False")
+        sig = _signature(args, self.module)
+        if self.signature is not None:
+            check_signature(self.signature, sig, mb)
         if mb in self._by_mb:
             raise RuntimeError(f"pipeline stage (cuda_graph=True): forward of micro-batch {mb} again before its "
                                f"backward")
         slot = next((s for s in self.slots if s.microbatch is None), None)
         if slot is None:
-            slot = _Slot(self.module, args, self.names, self.params, self.stream)
+            try:
+                slot = _Slot(self.module, args, self.names, self.params, self.stream)
+            except Exception as e:
+                raise RuntimeError(f"pipeline stage (cuda_graph=True): capturing the stage module's forward and "
+                                   f"backward as CUDA graphs failed ({type(e).__name__}: {e}). The module must "
+                                   f"not synchronise with the host or branch on data in forward or backward; "
+                                   f"build the stage with cuda_graph=False to run it eagerly") from e
             self.slots.append(slot)
+            self.signature = sig
         slot.microbatch = mb
         self._by_mb[mb] = slot
         tensors = [args[i] for i in slot.tensor_idx]

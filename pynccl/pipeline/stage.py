@@ -108,12 +108,17 @@ class PipelineStage:
             raise TypeError(f"PipelineStage: cuda_graph must be a bool, got {type(cuda_graph).__name__}")
         if not cuda_graph:
             return None
+        from ..ddp import DistributedDataParallel
+        from ..zero import FullyShardedDataParallel
+        wrappers = (DistributedDataParallel, FullyShardedDataParallel)
+        wrapped = [name or "the stage module" for name, m in self.submodule.named_modules() if isinstance(m, wrappers)]
+        if wrapped:
+            raise TypeError(f"PipelineStage: cuda_graph=True takes the stage's own layers, but {wrapped[0]} is a "
+                            f"pynccl data-parallel wrapper (DDP / ZeRO), whose forward gathers, frees or hooks "
+                            f"on the host in ways a graph cannot replay")
         if self.device.type != "cuda":
             raise ValueError(f"PipelineStage: cuda_graph=True needs a CUDA device, but the stage computes on "
                              f"{self.device}")
-        if self._is_pynccl_ddp:
-            raise TypeError("PipelineStage: cuda_graph=True takes the stage module itself; a data-parallel "
-                            "wrapper's forward does host-side bookkeeping a graph cannot replay")
         from .graphs import StageGraphs
         return StageGraphs(self.submodule, self.device)
 
