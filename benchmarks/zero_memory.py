@@ -105,7 +105,7 @@ class _Timeline:
 
 
 def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce=2, master=4, optim_per_elem=8,
-                  marks=None):
+                  marks=None, stage3_in_flight=1):
     """{role: bytes} at the largest point of one training step, replayed from the shard layouts
     in the order the implementation allocates and frees (pynccl/zero/stage12.py, stage3.py,
     flat_unit.py): what the implementation is built to hold, to set against the measurement.
@@ -113,7 +113,9 @@ def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce
     units: the wrapper's units (stage 1/2: in reduce order, = backward order); stage 3: `root`,
     the root unit's index (None if there is none) and `forward_order`, the other units' indices
     as forward runs them. Element sizes in bytes: compute and reduce dtypes (bf16), master dtype
-    and optimizer state per element (AdamW: two fp32 moments). If `marks` is a dict, it gets
+    and optimizer state per element (AdamW: two fp32 moments). stage3_in_flight: how many stage-3
+    reduce-scatters are still running after each start (1: the collective keeps up with backward;
+    more where it lags, as gloo's threads can on a busy machine). If `marks` is a dict, it gets
     "last_grad": the total held when backward makes its last gradient (before that gradient's
     reduction starts), where backward's own temporaries peak too (see measure_unwrapped)."""
     P = [u.layout.padded_numel for u in units]
@@ -134,10 +136,9 @@ def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce
             tl.add("grads_in_flight", inp)
         in_flight.append((i, inp, reduce * S[i]))
         # Stages 1/2 finish the oldest beyond MAX_IN_FLIGHT (ReduceQueue.trim). Stage 3 never
-        # waits: it finishes those already complete (trim_completed) and here every reduce but
-        # the one just started is taken to be complete by then, the collective keeping up with
-        # backward (on gloo's threads, with these sizes, it does).
-        while len(in_flight) > (MAX_IN_FLIGHT if stage in (1, 2) else 1):
+        # waits: it finishes those already complete (trim_completed); here all but the newest
+        # stage3_in_flight are taken to be complete by then.
+        while len(in_flight) > (MAX_IN_FLIGHT if stage in (1, 2) else stage3_in_flight):
             finish()
 
     def finish():
@@ -222,9 +223,11 @@ class PeakSampler:
     def __init__(self, model, opt):
         self.model, self.opt, self.peak, self.handles = model, opt, {"total": -1}, []
         self.active = False
+        self.max_in_flight = 0       # most reduce-scatters seen pending at once (sampled after each start)
 
     def sample(self, *unused):
         if self.active:
+            self.max_in_flight = max(self.max_in_flight, len(self.model._runtime.in_flight.pending))
             m = self.model.memory_bytes(self.opt)
             if m["total"] > self.peak["total"]:
                 self.peak = m
@@ -277,6 +280,13 @@ def measure(stage, args, device):
     n = model.process_group.world_size
     result = dict(stage=stage, num_params=num_params, peak=sampler.peak, expected=expected,
                   named=named_items(stage, n, num_params, expected), expected_at_last_grad=marks["last_grad"])
+    if stage == 3:
+        # The same replay with as many reduce-scatters running as this run had at most: an upper
+        # bound for this run, whatever the timing (more in flight only holds more buffers).
+        result["max_in_flight"] = sampler.max_in_flight
+        result["expected_lagging"] = expected_peak(
+            3, model.units, root=rt.root.index if rt.root is not None else None,
+            forward_order=[u.index for u in rt.forward_order], stage3_in_flight=max(1, sampler.max_in_flight))
     if cuda:
         torch.cuda.synchronize()
         result["cuda_max_allocated"] = torch.cuda.max_memory_allocated() - base

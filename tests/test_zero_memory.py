@@ -30,12 +30,19 @@ def test_measured_model_state_matches_formula_plus_named(world_size):
         where = f"N={n} stage {res['stage']} rank {r['rank']}"
         assert formula + named == pytest.approx(expected), where
         # The sampler sees most, not all, of the transient peaks the replay includes; the replay
-        # takes gradients to arrive bucket by bucket (a few may come a bucket early). Stage 3 frees
-        # a reduce-scatter's buffers once it has completed, never waiting for it: the replay takes
-        # all but the newest to be done, and one more still running (gloo's threads lagging) is
-        # up to +3 % here; buffers kept until the end of backward would be +40 %.
-        upper = 1.05 if res["stage"] == 3 else 1.01
-        assert 0.95 * expected <= measured <= upper * expected, f"{where}: measured {measured} vs expected {expected}"
+        # takes gradients to arrive bucket by bucket (a few may come a bucket early): +1 % for
+        # stages 1/2. Stage 3 frees a reduce-scatter's buffers once it has completed, never
+        # waiting for it, so how many are still running at the peak depends on gloo's threads (one
+        # more lagging was +3 %, two +5.5 %, on a busy 2-core machine; all of them until the end of
+        # backward would be +40 %): its bound is the replay with as many running as this run had at
+        # most (expected_lagging), and its floor the replay where the collective keeps up.
+        if res["stage"] == 3:
+            upper = 1.02 * sum(res["expected_lagging"].values())
+            assert res["max_in_flight"] >= 1, where
+        else:
+            upper = 1.01 * expected
+        assert 0.95 * expected <= measured <= upper, \
+            f"{where}: measured {measured} vs expected {expected} (bound {upper:.0f})"
         assert measured >= formula * (0.99 if res["stage"] == 3 else 1.0), f"{where}: below the paper's formula"
         for role in ("params_full", "params_shard", "grads_shard", "optim"):
             got = res["peak"]["optim"] if role == "optim" else res["peak"]["detail"][role]
