@@ -275,8 +275,9 @@ def measure(stage, args, device):
     sampler.sample()
     rt = model._runtime
     marks = {}
-    expected = expected_peak(stage, model.units, root=rt.root.index if stage == 3 and rt.root is not None else None,
-                             forward_order=[u.index for u in rt.forward_order] if stage == 3 else None, marks=marks)
+    order = dict(root=rt.root.index if stage == 3 and rt.root is not None else None,
+                 forward_order=[u.index for u in rt.forward_order] if stage == 3 else None)
+    expected = expected_peak(stage, model.units, marks=marks, **order)
     n = model.process_group.world_size
     result = dict(stage=stage, num_params=num_params, peak=sampler.peak, expected=expected,
                   named=named_items(stage, n, num_params, expected), expected_at_last_grad=marks["last_grad"])
@@ -284,9 +285,8 @@ def measure(stage, args, device):
         # The same replay with as many reduce-scatters running as this run had at most: an upper
         # bound for this run, whatever the timing (more in flight only holds more buffers).
         result["max_in_flight"] = sampler.max_in_flight
-        result["expected_lagging"] = expected_peak(
-            3, model.units, root=rt.root.index if rt.root is not None else None,
-            forward_order=[u.index for u in rt.forward_order], stage3_in_flight=max(1, sampler.max_in_flight))
+        result["expected_lagging"] = expected_peak(3, model.units, stage3_in_flight=max(1, sampler.max_in_flight),
+                                                   **order)
     if cuda:
         torch.cuda.synchronize()
         result["cuda_max_allocated"] = torch.cuda.max_memory_allocated() - base

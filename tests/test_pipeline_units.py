@@ -153,3 +153,51 @@ def test_cuda_graph_signature_sees_what_a_capture_fixes():
         if undo is not None:
             undo()
             check_signature(base, _signature([x, 3], mod), 0)
+
+
+class _StandInGraph:
+    """What a captured graph does on replay, as a Python function over the slot's static tensors."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def test_cuda_graph_replay_node_routes_gradients_like_autograd():
+    """The replay's autograd node (graphs._Replay) on CPU, with stand-in graphs computing y = x @ w
+    into the slot's static buffers: two micro-batches through one slot give the eager gradients of
+    x and w (w's accumulated over both), .grad never aliases the slot's buffers, a
+    non-differentiable output comes back as a copy, and each micro-batch's inputs are copied in."""
+    from pynccl.pipeline.graphs import _Replay, _Slot
+    w = nn.Parameter(torch.randn(3, 2))
+    slot = object.__new__(_Slot)
+    slot.tensor_idx, slot.static_args = [0], [torch.zeros(4, 3, requires_grad=True)]
+    slot.static_outs = [torch.zeros(4, 2), torch.zeros(4, dtype=torch.int64)]
+    slot.differentiable = [True, False]
+    slot.static_grad_outs = [torch.zeros(4, 2)]
+    slot.static_input_grads, slot.static_param_grads = [torch.zeros(4, 3)], [torch.zeros(3, 2)]
+    slot.grad_input_mask = [True]
+
+    def fwd():
+        x = slot.static_args[0].detach()
+        slot.static_outs[0].copy_(x @ w.detach())
+        slot.static_outs[1].copy_(x.argmax(1))
+
+    def bwd():
+        g, x = slot.static_grad_outs[0], slot.static_args[0].detach()
+        slot.static_input_grads[0].copy_(g @ w.detach().t())
+        slot.static_param_grads[0].copy_(x.t() @ g)
+    slot.fwd, slot.bwd = _StandInGraph(fwd), _StandInGraph(bwd)
+
+    ref_w = w.detach().clone().requires_grad_(True)
+    for mb in range(2):
+        x = torch.randn(4, 3, requires_grad=True)
+        c = torch.randn(4, 2)
+        y, idx = _Replay.apply(slot, x, w)
+        assert not idx.requires_grad and idx.data_ptr() != slot.static_outs[1].data_ptr()
+        assert torch.equal(idx, x.detach().argmax(1))
+        (y * c).sum().backward()
+        xr = x.detach().clone().requires_grad_(True)
+        (xr @ ref_w * c).sum().backward()
+        assert torch.allclose(x.grad, xr.grad) and torch.allclose(w.grad, ref_w.grad), f"micro-batch {mb}"
+        assert x.grad.data_ptr() != slot.static_input_grads[0].data_ptr()
+        assert w.grad.data_ptr() != slot.static_param_grads[0].data_ptr()

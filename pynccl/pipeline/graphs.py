@@ -37,6 +37,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .stage import _as_tuple
+
 
 def _signature(args: Sequence, module: nn.Module) -> tuple:
     """What a capture is valid for (see the module docstring): (inputs, context, module state)."""
@@ -104,7 +106,7 @@ class _Slot:
             leaves = list(aliases.values())
 
             def run():
-                return _as_outputs(torch.func.functional_call(module, aliases, tuple(self.static_args)))
+                return _as_tuple(torch.func.functional_call(module, aliases, tuple(self.static_args)))
             self.tensor_idx = [i for i, a in enumerate(self.static_args) if isinstance(a, torch.Tensor)]
             grad_inputs = [self.static_args[i] for i in self.tensor_idx if self.static_args[i].requires_grad]
             targets = grad_inputs + leaves
@@ -131,24 +133,16 @@ class _Slot:
         self.microbatch: Optional[int] = None        # the micro-batch whose activations it holds
 
 
-def _as_outputs(out) -> List[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
-        return list(out)
-    raise TypeError(f"pipeline stage (cuda_graph=True): the module must return a tensor or a tuple of tensors, "
-                    f"got {type(out).__name__}")
-
-
 class _Replay(torch.autograd.Function):
     """Autograd node of one slot: forward replays the forward graph, backward the backward graph."""
 
     @staticmethod
-    def forward(ctx, slot: _Slot, params: List[torch.Tensor], *tensors):
+    def forward(ctx, slot: _Slot, *tensors):
+        """tensors: the tensor arguments (slot.tensor_idx order), then the parameters."""
         for i, t in zip(slot.tensor_idx, tensors):
             slot.static_args[i].copy_(t)
         slot.fwd.replay()
-        ctx.slot, ctx.params = slot, params
+        ctx.slot, ctx.params = slot, tensors[len(slot.tensor_idx):]
         # Non-differentiable outputs are copies: no gradient comes back for them, so nothing orders a
         # send of them before the slot's next replay (see the module docstring).
         outs = tuple(o.detach() if d else o.clone() for o, d in zip(slot.static_outs, slot.differentiable))
@@ -172,7 +166,7 @@ class _Replay(torch.autograd.Function):
             per_tensor.append(None if g is None else g.clone())
         param_grads = [None if g is None else (g.clone() if p.grad is None else g)
                        for p, g in zip(ctx.params, slot.static_param_grads)]
-        return (None, None, *per_tensor, *param_grads)
+        return (None, *per_tensor, *param_grads)
 
 
 class StageGraphs:
@@ -209,7 +203,7 @@ class StageGraphs:
         slot.microbatch = mb
         self._by_mb[mb] = slot
         tensors = [args[i] for i in slot.tensor_idx]
-        return _Replay.apply(slot, self.params, *tensors, *self.params)
+        return _Replay.apply(slot, *tensors, *self.params)
 
     def release(self, mb: int) -> None:
         """After micro-batch mb's backward: its slot may serve the next micro-batch."""
