@@ -23,17 +23,22 @@ struct OpArg {
   double factor;
 };
 
-// A pynccl.ReduceOp (an int), or pynccl.ReduceOp.premul_sum(f) (an object with a float `factor`).
+// A pynccl.ReduceOp (an int with torch's numbering): the fast path. Anything else (torch's
+// RedOpType or ReduceOp objects, _make_nccl_premul_sum(f), ReduceOp.premul_sum(f)) goes through
+// pynccl.comm.reduce_op.as_reduce_op, the one mapping (by member, not by integer), which raises
+// TypeError for what is not an op.
 OpArg parse_op(py::handle op, double premul_factor) {
   PyObject* obj = op.ptr();
-  if (__builtin_expect(PyLong_Check(obj), 1)) {
+  if (__builtin_expect(PyLong_Check(obj), 1) && !PyBool_Check(obj)) {
     const long value = PyLong_AsLong(obj);
     if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
     return {static_cast<int>(value), premul_factor};
   }
-  if (py::hasattr(op, "factor")) return {static_cast<int>(ReduceOp::kPremulSum), op.attr("factor").cast<double>()};
-  throw py::type_error("op must be a pynccl.ReduceOp or ReduceOp.premul_sum(factor), got " +
-                       py::repr(op).cast<std::string>());
+  // NOTE: deliberately leaked: a static py::object would be destroyed after the interpreter.
+  static auto* as_reduce_op = new py::object(py::module_::import("pynccl.comm.reduce_op").attr("as_reduce_op"));
+  py::object mapped = (*as_reduce_op)(op);
+  if (PyLong_Check(mapped.ptr())) return {mapped.cast<int>(), premul_factor};
+  return {static_cast<int>(ReduceOp::kPremulSum), mapped.attr("factor").cast<double>()};
 }
 
 void set_python_error(const char* class_name, const char* message) {

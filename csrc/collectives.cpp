@@ -24,6 +24,9 @@ ncclRedOp_t builtin_op(const char* fn, int op, c10::ScalarType dtype) {
   PYNCCL_CHECK_VALUE(op >= 0 && op < kNumReduceOps, fn, ": op must be a pynccl.ReduceOp (0..", kNumReduceOps - 1,
                     "), got ", op);
   const auto reduce_op = static_cast<ReduceOp>(op);
+  PYNCCL_CHECK_VALUE(reduce_op != ReduceOp::kBand && reduce_op != ReduceOp::kBor && reduce_op != ReduceOp::kBxor, fn,
+                     ": ReduceOp.", reduce_op_name(op), " is not supported by NCCL (nor by torch's nccl backend); "
+                     "use the gloo backend for bitwise reductions");
   if (reduce_op == ReduceOp::kAvg || reduce_op == ReduceOp::kPremulSum) {
     PYNCCL_CHECK_VALUE(is_floating_for_reduce(dtype), fn, ": ReduceOp.", reduce_op_name(op),
                       " needs a floating-point tensor, got ", dtype);
@@ -39,6 +42,9 @@ ncclRedOp_t builtin_op(const char* fn, int op, c10::ScalarType dtype) {
     case ReduceOp::kMin: return ncclMin;
     case ReduceOp::kAvg: return ncclAvg;
     case ReduceOp::kPremulSum: return kPremulMarker;
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor: break;  // refused above
   }
   return ncclSum;
 }

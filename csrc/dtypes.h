@@ -17,12 +17,16 @@ struct Text<c10::ScalarType> {
   static std::string of(c10::ScalarType dtype) { return c10::toString(dtype); }
 };
 
-// NOTE: the values are pynccl.ReduceOp's (pynccl/comm/reduce_op.py); keep them in sync.
-enum class ReduceOp : int { kSum = 0, kProduct = 1, kMax = 2, kMin = 3, kAvg = 4, kPremulSum = 5 };
-constexpr int kNumReduceOps = 6;
+// NOTE: the values are pynccl.ReduceOp's (pynccl/comm/reduce_op.py), which are torch's
+// c10d::ReduceOp::RedOpType values; keep the three in sync.
+enum class ReduceOp : int {
+  kSum = 0, kAvg = 1, kProduct = 2, kMin = 3, kMax = 4, kBand = 5, kBor = 6, kBxor = 7, kPremulSum = 8
+};
+constexpr int kNumReduceOps = 9;
 
 inline const char* reduce_op_name(int op) {
-  static const char* kNames[kNumReduceOps] = {"SUM", "PRODUCT", "MAX", "MIN", "AVG", "PREMUL_SUM"};
+  static const char* kNames[kNumReduceOps] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR",
+                                              "PREMUL_SUM"};
   return (op >= 0 && op < kNumReduceOps) ? kNames[op] : "?";
 }
 

@@ -2,6 +2,7 @@
 The gloo cases run in one 2-process run; the same checks on NCCL are in test_nccl_inputs_buckets.py."""
 import pytest
 import torch
+import torch.distributed
 
 import pynccl
 from pynccl.testing import run_multiprocess
@@ -72,7 +73,11 @@ def bad_input_case(rank, ws):
             pynccl.all_reduce, torch.ones(2, dtype=torch.int32), op=pynccl.ReduceOp.AVG)
     _raises(ValueError, r"ReduceOp.PREMUL_SUM needs a floating-point tensor",
             pynccl.all_reduce, torch.ones(2, dtype=torch.int64), op=pynccl.ReduceOp.premul_sum(2.0))
-    _raises(ValueError, r"op must be a pynccl.ReduceOp", pynccl.all_reduce, f32, op=17)
+    _raises(TypeError, r"all_reduce: op must be a pynccl.ReduceOp, a torch.distributed.ReduceOp", pynccl.all_reduce,
+            f32, op=17)
+    _raises(TypeError, r"reduce: op must be a pynccl.ReduceOp", pynccl.reduce, f32, 0, op=4)  # torch refuses ints too
+    _raises(ValueError, r"ReduceOp.BAND needs an integer or bool tensor", pynccl.all_reduce, f32,
+            op=torch.distributed.ReduceOp.BAND)
     # unsupported dtype and non-contiguous input
     _raises(TypeError, r"dtype torch.complex64 is not supported",
             pynccl.all_reduce, torch.ones(2, dtype=torch.complex64))

@@ -11,7 +11,7 @@ import torch
 
 from .backends.base import Work
 from .groups import resolve_group
-from .reduce_op import ReduceOp
+from .reduce_op import ReduceOp, as_reduce_op
 from .work_future import remember
 
 
@@ -52,6 +52,7 @@ def all_reduce_coalesced(tensors: List[torch.Tensor], op=ReduceOp.SUM, group=Non
         if t.device != tensors[0].device:
             raise ValueError(f"all_reduce_coalesced: tensors[{i}] is on {t.device}, tensors[0] on "
                              f"{tensors[0].device}; all must be on one device")
+    op = as_reduce_op(op, "all_reduce_coalesced")
     g = resolve_group(group)
     by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
     for t in tensors:

@@ -16,18 +16,17 @@ from typing import Optional
 import torch
 
 from ..errors import CollectiveMismatchError, CommTimeoutError
-from .reduce_op import PremulSum, ReduceOp
+from .reduce_op import PremulSum, ReduceOp, as_reduce_op
 
 
 def _op_name(op) -> Optional[str]:
     if op is None:
         return None
-    if isinstance(op, PremulSum):
-        return f"PREMUL_SUM({op.factor})"
     try:
-        return ReduceOp(op).name
-    except ValueError:
-        return repr(op)
+        op = as_reduce_op(op)
+    except (TypeError, ValueError):
+        return repr(op)                   # the backend raises the error itself, after the check
+    return f"PREMUL_SUM({op.factor})" if isinstance(op, PremulSum) else op.name
 
 
 class CheckedBackend:

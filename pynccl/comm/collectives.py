@@ -14,7 +14,7 @@ import torch
 
 from .backends.base import P2POp, Work
 from .groups import _state, resolve_group
-from .reduce_op import ReduceOp
+from .reduce_op import PremulSum, ReduceOp, as_reduce_op
 from .work_future import remember
 
 
@@ -48,7 +48,10 @@ def _check_size_multiple(fn: str, big_name: str, big: torch.Tensor, small_name: 
 
 # ----------------------------------------------------------------------------- collectives
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    # NOTE: hot path. No Python-side checks: the backend validates (C++ for nccl).
+    # NOTE: hot path. No Python-side checks but the op's class (torch's ReduceOp objects are mapped
+    # by as_reduce_op); the backend validates the rest (C++ for nccl).
+    if op.__class__ is not ReduceOp and op.__class__ is not PremulSum:
+        op = as_reduce_op(op, "all_reduce")
     if group is None:
         work = _state.world.backend.all_reduce(tensor, op, async_op)
     else:
@@ -69,6 +72,7 @@ def broadcast(tensor, src, group=None, async_op=False):
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
+    op = as_reduce_op(op, "reduce")
     g = resolve_group(group)
     _check_tensor("reduce", "tensor", tensor)
     return _ret(g.backend.reduce(tensor, g.group_rank(dst, "dst"), op, async_op), [tensor])
@@ -110,12 +114,14 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+    op = as_reduce_op(op, "reduce_scatter")
     g = resolve_group(group)
     _check_list_pair("reduce_scatter", "output", output, "input_list", input_list, g.backend.world_size)
     return _ret(g.backend.reduce_scatter(output, list(input_list), op, async_op), [output])
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    op = as_reduce_op(op, "reduce_scatter_tensor")
     g = resolve_group(group)
     _check_flat_pair("reduce_scatter_tensor", output, input, g.backend.world_size, output_is_whole=False)
     return _ret(g.backend.reduce_scatter_tensor(output, input, op, async_op), [output])

@@ -17,7 +17,7 @@ import torch.distributed as tdist
 from ...errors import CommTimeoutError, PyncclError
 from .. import work_future
 from ..flight_recorder import FlightRecorder
-from ..reduce_op import PremulSum, ReduceOp, check_op_for_dtype
+from ..reduce_op import PremulSum, ReduceOp, as_reduce_op, check_op_for_dtype
 from .base import Backend, Work
 
 _CPU = torch.device("cpu")
@@ -25,7 +25,8 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16
                      torch.int8, torch.uint8, torch.int32, torch.int64)
 _NATIVE_OPS = {ReduceOp.SUM: tdist.ReduceOp.SUM, ReduceOp.PRODUCT: tdist.ReduceOp.PRODUCT,
                ReduceOp.MAX: tdist.ReduceOp.MAX, ReduceOp.MIN: tdist.ReduceOp.MIN,
-               ReduceOp.AVG: tdist.ReduceOp.SUM, ReduceOp.PREMUL_SUM: tdist.ReduceOp.SUM}
+               ReduceOp.AVG: tdist.ReduceOp.SUM, ReduceOp.PREMUL_SUM: tdist.ReduceOp.SUM,
+               ReduceOp.BAND: tdist.ReduceOp.BAND, ReduceOp.BOR: tdist.ReduceOp.BOR, ReduceOp.BXOR: tdist.ReduceOp.BXOR}
 
 
 class GlooWork(Work):
@@ -192,6 +193,7 @@ class GlooBackend(Backend):
 
     def _prepare_reduce(self, fn: str, tensor: torch.Tensor, op):
         """(torch op, pre-scale or None, post-divisor or None) for `op` on `tensor`."""
+        op = as_reduce_op(op, fn)
         op_enum = check_op_for_dtype(fn, op, tensor.dtype)
         pre = op.factor if isinstance(op, PremulSum) else None
         if op_enum == ReduceOp.PREMUL_SUM and pre is None:
