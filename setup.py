@@ -31,6 +31,7 @@ SOURCES = [
     "csrc/nccl_api.cpp",
     "csrc/op_scope.cpp",
     "csrc/p2p.cpp",
+    "csrc/symmetric_memory.cpp",
     "csrc/watchdog.cpp",
     "csrc/work.cpp",
     "csrc/kernels/bucket.cu",

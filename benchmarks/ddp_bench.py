@@ -156,6 +156,10 @@ def _measure(rank, world_size, args, device, torch_pg):
                   phases=phases, levers=lever_rows, lever_steps=args.steps, lever_repeats=args.repeats)
     eager_name = next((m for m in trainers if m.startswith("pynccl DDP") and "graph" not in m), None)
     result["num_params"] = next(iter(trainers.values())).num_params
+    ddp = next((tr.ddp for m, tr in trainers.items() if m.startswith("pynccl DDP") and tr.ddp is not None), None)
+    if ddp is not None:
+        path = ddp.reducer.comm_path
+        result["comm_path"] = f"{path.name}" + (f" ({path.reason})" if path.reason else "")
     if eager_name is not None and cuda and not args.no_diagnostics:
         eager = trainers[eager_name]
         result["profiled_mode"] = eager_name

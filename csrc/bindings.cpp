@@ -224,23 +224,25 @@ PYBIND11_MODULE(_C, m) {
       // blocking / on_timeout: None resolves them as init_process_group does (resolve_timeout_policy).
       .def(py::init([](py::bytes unique_id, int world_size, int rank, int device, double timeout_s,
                        std::optional<bool> blocking, std::string name, int cga_cluster_size, int min_ctas,
-                       int max_ctas, std::optional<std::string> on_timeout) {
+                       int max_ctas, std::optional<std::string> on_timeout, int cta_policy) {
              std::string id = unique_id;
              const auto [is_blocking, raise_on_timeout] = resolve_timeout_policy(on_timeout, blocking);
              CommOptions options{timeout_s, is_blocking, raise_on_timeout, std::move(name), cga_cluster_size,
-                                 min_ctas, max_ctas};
+                                 min_ctas, max_ctas, cta_policy};
              py::gil_scoped_release release;
              return std::make_shared<Communicator>(id, world_size, rank, device, std::move(options));
            }),
            py::arg("unique_id"), py::arg("world_size"), py::arg("rank"), py::arg("device"),
            py::arg("timeout_s") = 600.0, py::arg("blocking") = py::none(), py::arg("name") = "",
            py::arg("cga_cluster_size") = -1, py::arg("min_ctas") = -1, py::arg("max_ctas") = -1,
-           py::arg("on_timeout") = py::none())
+           py::arg("on_timeout") = py::none(), py::arg("cta_policy") = -1)
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def_property_readonly("device", &Communicator::device)
       .def_property_readonly("name", &Communicator::name)
       .def_property_readonly("blocking", &Communicator::blocking)
+      .def_property_readonly("cta_policy", &Communicator::cta_policy,
+                             "ncclConfig_t.CTAPolicy in effect (2: ZERO, copy-engine collectives; -1: NCCL's default)")
       .def_property_readonly("on_timeout", [](const Communicator& c) { return std::string(c.on_timeout()); })
       .def_property_readonly("seq", &Communicator::seq, "Ops enqueued so far.")
       .def_property("timeout_s", &Communicator::timeout_s, &Communicator::set_timeout_s)
@@ -260,10 +262,16 @@ PYBIND11_MODULE(_C, m) {
            py::arg("tensor"), py::arg("op") = 0, py::arg("async_op") = false, py::arg("premul_factor") = 1.0,
            py::arg("output") = py::none())
       .def("reduce_bucket", &Communicator::reduce_bucket, py::arg("grads"), py::arg("flat"), py::arg("scale"),
-           py::arg("pack_stream"),
+           py::arg("pack_stream"), py::arg("split_all_reduce") = false,
            "One DDP bucket in one call: pack grads into flat (x scale, cast) on pack_stream (a "
            "torch.cuda.Stream.cuda_stream handle) after the current stream, then a SUM all-reduce of flat after the "
-           "pack. Returns the all-reduce's Work; its wait() orders the current stream after both.")
+           "pack (split_all_reduce: as an in-place reduce-scatter then all-gather). Returns the all-reduce's Work; "
+           "its wait() orders the current stream after both.")
+      .def("alloc_symmetric", &Communicator::alloc_symmetric, py::arg("num_bytes"),
+           "Collective: num_bytes of ncclMemAlloc memory registered as a symmetric window (NCCL >= 2.27), as a "
+           "uint8 CUDA tensor (view it as the dtype you need). Collectives on such buffers, at the same offsets on "
+           "every rank, run NCCL's symmetric kernels; with cta_policy=2 all-gathers run on the copy engines. "
+           "ValueError where the communicator has no symmetric support.")
       .def("register_buffer", &Communicator::register_buffer, py::arg("tensor"),
            "ncclCommRegister of the tensor's bytes (NCCL >= 2.19; not during graph capture): returns a handle for "
            "deregister_buffer. NCCL may then skip staging copies for collectives on that memory.")

@@ -1,8 +1,6 @@
 // Communicator::register_buffer / deregister_buffer: NCCL user-buffer registration, so that
 // collectives on memory DDP reuses every step (its gradient buckets) may skip NCCL's staging
 // copies. Entry points are looked up at run time (nccl_api.h): our floor, 2.18, lacks them.
-#include <chrono>
-
 #include "check.h"
 #include "communicator.h"
 #include "nccl_api.h"
@@ -36,13 +34,7 @@ int64_t Communicator::register_buffer(const at::Tensor& tensor) {
   // ncclResult_t ncclCommRegister(const ncclComm_t comm, void* buff, size_t size, void** handle);
   ncclResult_t result = fn(comm_, tensor.data_ptr(), tensor.numel() * tensor.element_size(), &handle);
   // A non-blocking communicator may still be registering: poll it (bounded by the timeout).
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s());
-  while (result == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
-    ncclResult_t state = ncclSuccess;
-    // ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError);
-    PYNCCL_CHECK_NCCL(ncclCommGetAsyncError(comm_, &state));
-    result = state;
-  }
+  if (result == ncclInProgress) result = wait_comm_ready(comm_, timeout_s());
   PYNCCL_CHECK_NCCL(result);
   return reinterpret_cast<int64_t>(handle);
 }

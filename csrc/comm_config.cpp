@@ -11,17 +11,19 @@
 namespace pynccl {
 namespace {
 
-// ncclConfig_t.CTAPolicy from PYNCCL_NCCL_CTA_POLICY (0 default, 1 efficiency, 2 zero), or -1
-// when unset; an error where the headers or the loaded library predate the field (2.27).
-int cta_policy_from_env() {
-  const int policy = env_int("PYNCCL_NCCL_CTA_POLICY", -1);
+// ncclConfig_t.CTAPolicy from PYNCCL_NCCL_CTA_POLICY (0 default, 1 efficiency, 2 zero), else
+// `default_policy` (-1: leave NCCL's); an error where the headers or the loaded library predate
+// the field (2.27).
+int cta_policy_from_env(int default_policy) {
+  const int policy = env_int("PYNCCL_NCCL_CTA_POLICY", default_policy);
   if (policy < 0) return -1;
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 27, 0)
-  PYNCCL_CHECK_VALUE(false, "PYNCCL_NCCL_CTA_POLICY=", policy, ": ncclConfig_t.CTAPolicy needs NCCL >= 2.27 headers, "
+  PYNCCL_CHECK_VALUE(false, "CTA policy ", policy, " (cta_policy= or PYNCCL_NCCL_CTA_POLICY): ncclConfig_t.CTAPolicy "
+                     "needs NCCL >= 2.27 headers, "
                      "pynccl was built with ", nccl_version_string(NCCL_VERSION_CODE));
 #endif
-  PYNCCL_CHECK_VALUE(nccl_runtime_version() >= kCtaPolicyVersion, "PYNCCL_NCCL_CTA_POLICY=", policy,
-                     ": ncclConfig_t.CTAPolicy needs NCCL >= 2.27 at run time, the loaded library is ",
+  PYNCCL_CHECK_VALUE(nccl_runtime_version() >= kCtaPolicyVersion, "CTA policy ", policy,
+                     " (cta_policy= or PYNCCL_NCCL_CTA_POLICY): ncclConfig_t.CTAPolicy needs NCCL >= 2.27 at run time, the loaded library is ",
                      nccl_version_string(nccl_runtime_version()));
   return policy;
 }
@@ -37,7 +39,7 @@ int env_int(const char* name, int default_value) {
 // NOTE: PYNCCL_NCCL_{CGA_CLUSTER_SIZE,MIN_CTAS,MAX_CTAS,CTA_POLICY}, read here at every init and
 // split, override `options` for the communicators made while they are set: NCCL reads its own
 // NCCL_* variables once per process, so this is how one process A/Bs them (ddp_bench --levers).
-ncclConfig_t make_config(const CommOptions& options) {
+ncclConfig_t make_config(CommOptions& options) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = options.blocking ? 1 : 0;
   const int cga_cluster_size = env_int("PYNCCL_NCCL_CGA_CLUSTER_SIZE", options.cga_cluster_size);
@@ -46,7 +48,8 @@ ncclConfig_t make_config(const CommOptions& options) {
   if (cga_cluster_size >= 0) config.cgaClusterSize = cga_cluster_size;
   if (min_ctas > 0) config.minCTAs = min_ctas;
   if (max_ctas > 0) config.maxCTAs = max_ctas;
-  const int cta_policy = cta_policy_from_env();
+  const int cta_policy = cta_policy_from_env(options.cta_policy);
+  options.cta_policy = cta_policy;
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
   if (cta_policy >= 0) config.CTAPolicy = cta_policy;
 #endif

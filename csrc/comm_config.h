@@ -13,6 +13,7 @@ int env_int(const char* name, int default_value);
 
 // The ncclConfig_t of a communicator made with `options`; PYNCCL_NCCL_{CGA_CLUSTER_SIZE,MIN_CTAS,
 // MAX_CTAS,CTA_POLICY} override them (ValueError for a CTA policy the NCCL in use lacks).
-ncclConfig_t make_config(const CommOptions& options);
+// options.cta_policy is set to the policy in effect (-1: NCCL's default).
+ncclConfig_t make_config(CommOptions& options);
 
 }  // namespace pynccl

@@ -43,10 +43,9 @@ class GilReleased {
   PyThreadState* saved_;
 };
 
-// Polls ncclCommGetAsyncError until `comm` leaves ncclInProgress; returns its state, or
-// ncclInProgress when `timeout_s` passed first, or kAbortRequested as soon as `*state_flag`
-// leaves kOk (an abort waits for in-flight calls: this one must let it go ahead).
-ncclResult_t wait_comm_ready(ncclComm_t comm, double timeout_s, const std::atomic<int>* state_flag = nullptr) {
+}  // namespace
+
+ncclResult_t wait_comm_ready(ncclComm_t comm, double timeout_s, const std::atomic<int>* state_flag) {
   ncclResult_t state = ncclInProgress;
   const GilReleased no_gil;
   const bool settled = poll_until(
@@ -67,8 +66,6 @@ ncclResult_t wait_comm_ready(ncclComm_t comm, double timeout_s, const std::atomi
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
 }
-
-}  // namespace
 
 Communicator::Communicator(const std::string& unique_id, int world_size, int rank, int device, CommOptions options)
     : world_size_(world_size), rank_(rank), device_(device), options_(std::move(options)),

@@ -47,6 +47,7 @@ struct CommOptions {
   int cga_cluster_size = -1;  // -1: NCCL's default
   int min_ctas = -1;
   int max_ctas = -1;
+  int cta_policy = -1;     // ncclConfig_t.CTAPolicy (2 = ZERO: copy-engine collectives); -1: NCCL's default
 };
 
 // The exit status of a process the watchdog ends on a time-out: EX_TEMPFAIL of sysexits.h
@@ -94,6 +95,13 @@ struct TrackedOp {
 };
 
 enum class CommState : int { kOk = 0, kAborted = 1, kDestroyed = 2, kStarting = 3 };
+
+// Polls ncclCommGetAsyncError until `comm` leaves ncclInProgress (the GIL released meanwhile);
+// returns its state, or ncclInProgress when `timeout_s` passed first, or ncclNumResults as soon as
+// `*state_flag` leaves kOk (an abort waits for in-flight calls: this one must let it go ahead).
+ncclResult_t wait_comm_ready(ncclComm_t comm, double timeout_s, const std::atomic<int>* state_flag = nullptr);
+// steady_clock now, in ns (ActiveCall's clock).
+int64_t now_ns();
 
 // The NCCL call a thread is making on a communicator now; written before the call and cleared
 // after (start_ns == 0: none), read by the watchdog. Relaxed stores; start_ns is published last.
@@ -162,13 +170,24 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // --- one DDP gradient bucket (bucket_reduce.cpp) ------------------------------------------
   // Packs grads into flat (x scale, cast) on pack_stream after the current stream, then a SUM
   // all-reduce of flat, async, after the pack. pack_stream: a cudaStream_t handle on this device.
+  // split_all_reduce: the all-reduce as an in-place reduce-scatter then an in-place all-gather
+  // (flat's size a multiple of the world size): on symmetric memory with CTAPolicy ZERO the
+  // all-gather runs on the copy engines, so only the reduce-scatter holds SMs.
   std::shared_ptr<Work> reduce_bucket(const std::vector<at::Tensor>& grads, const at::Tensor& flat, double scale,
-                                      int64_t pack_stream);
+                                      int64_t pack_stream, bool split_all_reduce = false);
 
   // --- NCCL user-buffer registration (buffer_registration.cpp) ------------------------------
   // ncclCommRegister of a tensor's bytes (NCCL >= 2.19): an opaque handle for deregister_buffer.
   int64_t register_buffer(const at::Tensor& tensor);
   void deregister_buffer(int64_t handle);  // a no-op once the communicator is aborted or destroyed
+
+  // --- symmetric memory (symmetric_memory.cpp) ------------------------------------------------
+  // Collective: num_bytes from ncclMemAlloc registered as an NCCL_WIN_COLL_SYMMETRIC window, as a
+  // uint8 tensor whose deleter deregisters and frees it (NCCL >= 2.27). ValueError where this
+  // communicator has no symmetric support (NCCL then registers no window).
+  at::Tensor alloc_symmetric(int64_t num_bytes);
+  // ncclCommWindowDeregister once the comm stream's work is done; a no-op once aborted or destroyed.
+  void release_window(void* window);
 
   // --- point-to-point and the collectives built on it (p2p.cpp) -----------------------------
   std::shared_ptr<Work> all_to_all(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
@@ -193,6 +212,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void destroy();  // collective: ncclCommFinalize (bounded) + ncclCommDestroy; idempotent
   bool is_aborted() const;
   bool blocking() const { return options_.blocking; }
+  int cta_policy() const { return options_.cta_policy; }  // in effect: 2 = ZERO (copy engines), -1 = NCCL's default
   const char* on_timeout() const { return options_.raise_on_timeout ? "raise" : "teardown"; }
   std::optional<std::string> get_async_error();
   void check();    // throws the stored error, or the comm's async error

@@ -35,6 +35,15 @@ static_assert(std::is_same<decltype(&ncclScatter), RootedFn>::value, "ncclScatte
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 19, 0)
 static_assert(std::is_same<decltype(&ncclCommRegister), RegisterFn>::value, "ncclCommRegister prototype changed");
 static_assert(std::is_same<decltype(&ncclCommDeregister), DeregisterFn>::value, "ncclCommDeregister prototype changed");
+static_assert(std::is_same<decltype(&ncclMemAlloc), MemAllocFn>::value, "ncclMemAlloc prototype changed");
+static_assert(std::is_same<decltype(&ncclMemFree), MemFreeFn>::value, "ncclMemFree prototype changed");
+#endif
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+// ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void* buff, size_t size, ncclWindow_t* win, int winFlags);
+// ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);
+static_assert(std::is_pointer<ncclWindow_t>::value, "ncclWindow_t is no longer a pointer");
+static_assert(NCCL_WIN_COLL_SYMMETRIC == 0x01, "NCCL_WIN_COLL_SYMMETRIC changed");
+static_assert(NCCL_CTA_POLICY_ZERO == 0x02, "NCCL_CTA_POLICY_ZERO changed");
 #endif
 
 const OptionalNcclApi& optional_nccl_api() {
@@ -49,6 +58,14 @@ const OptionalNcclApi& optional_nccl_api() {
     if (nccl_runtime_version() >= kRegisterVersion) {
       out.comm_register = reinterpret_cast<RegisterFn>(dlsym(lib, "ncclCommRegister"));
       out.comm_deregister = reinterpret_cast<DeregisterFn>(dlsym(lib, "ncclCommDeregister"));
+      out.mem_alloc = reinterpret_cast<MemAllocFn>(dlsym(lib, "ncclMemAlloc"));
+      out.mem_free = reinterpret_cast<MemFreeFn>(dlsym(lib, "ncclMemFree"));
+    }
+#endif
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+    if (nccl_runtime_version() >= kWindowVersion) {
+      out.window_register = reinterpret_cast<WindowRegisterFn>(dlsym(lib, "ncclCommWindowRegister"));
+      out.window_deregister = reinterpret_cast<WindowDeregisterFn>(dlsym(lib, "ncclCommWindowDeregister"));
     }
 #endif
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)

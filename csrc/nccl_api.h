@@ -22,6 +22,8 @@ constexpr int kFp8Version = nccl_version_code(2, 24, 0);
 constexpr int kNativeAlltoAllVersion = nccl_version_code(2, 28, 0);
 constexpr int kRegisterVersion = nccl_version_code(2, 19, 0);    // ncclCommRegister / ncclCommDeregister
 constexpr int kCtaPolicyVersion = nccl_version_code(2, 27, 0);   // ncclConfig_t.CTAPolicy
+constexpr int kWindowVersion = nccl_version_code(2, 27, 0);      // ncclCommWindowRegister, symmetric kernels
+constexpr int kCopyEngineVersion = nccl_version_code(2, 28, 0);  // CTAPolicy ZERO: copy-engine collectives
 
 // ncclGetVersion of the loaded library (cached; throws pynccl::Error if it fails).
 int nccl_runtime_version();
@@ -34,6 +36,12 @@ using RootedFn = ncclResult_t (*)(const void* sendbuff, void* recvbuff, size_t c
                                   int root, ncclComm_t comm, cudaStream_t stream);
 using RegisterFn = ncclResult_t (*)(const ncclComm_t comm, void* buff, size_t size, void** handle);
 using DeregisterFn = ncclResult_t (*)(const ncclComm_t comm, void* handle);
+using MemAllocFn = ncclResult_t (*)(void** ptr, size_t size);
+using MemFreeFn = ncclResult_t (*)(void* ptr);
+// The window handle is an opaque pointer (ncclWindow_t); void* here so these compile against
+// headers that predate it.
+using WindowRegisterFn = ncclResult_t (*)(ncclComm_t comm, void* buff, size_t size, void** win, int win_flags);
+using WindowDeregisterFn = ncclResult_t (*)(ncclComm_t comm, void* win);
 
 // Entry points newer than our floor, or nullptr where the headers or the loaded library lack them.
 struct OptionalNcclApi {
@@ -42,6 +50,10 @@ struct OptionalNcclApi {
   RootedFn scatter = nullptr;     // ncclScatter
   RegisterFn comm_register = nullptr;      // ncclCommRegister (NCCL >= 2.19)
   DeregisterFn comm_deregister = nullptr;  // ncclCommDeregister
+  MemAllocFn mem_alloc = nullptr;          // ncclMemAlloc (NCCL >= 2.19)
+  MemFreeFn mem_free = nullptr;            // ncclMemFree
+  WindowRegisterFn window_register = nullptr;      // ncclCommWindowRegister (NCCL >= 2.27)
+  WindowDeregisterFn window_deregister = nullptr;  // ncclCommWindowDeregister
 };
 const OptionalNcclApi& optional_nccl_api();
 

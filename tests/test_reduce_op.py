@@ -185,7 +185,7 @@ def _nccl_every_op(rank, world_size):
 def test_every_op_equals_torch_on_nccl():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    run_multiprocess(_nccl_every_op, 2, backend="nccl")
+    run_multiprocess(_nccl_every_op, 2, backend="nccl", start_method="spawn", timeout=300)
 
 
 def _nccl_one_rank_backend(rank, world_size):
@@ -210,4 +210,4 @@ def _nccl_one_rank_backend(rank, world_size):
 def test_backend_binding_maps_torch_ops():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    run_multiprocess(_nccl_one_rank_backend, 1, backend="nccl")
+    run_multiprocess(_nccl_one_rank_backend, 1, backend="nccl", start_method="spawn", timeout=300)

@@ -47,9 +47,16 @@ LEVERS = {lv.name: lv for lv in [
     Lever("grad-view", "gradient_as_bucket_view=True: no copy into or out of the buckets",
           ddp_kwargs=dict(gradient_as_bucket_view=True)),
     Lever("comm-prio0", "the communicator's stream at normal priority (default: high)", comm_prio0=True),
+    # Issue 26: where the buckets live and which NCCL kernels reduce them (pynccl/ddp/comm_path.py).
+    Lever("comm-default", "comm_path='default': ordinary buffers, NCCL's default all-reduce kernels",
+          ddp_kwargs=dict(comm_path="default")),
+    Lever("comm-symmetric", "comm_path='symmetric': buckets in an NCCL symmetric window, symmetric all-reduce kernels",
+          min_nccl=(2, 27, 0), ddp_kwargs=dict(comm_path="symmetric")),
+    Lever("comm-copy-engine", "comm_path='copy_engine': symmetric reduce-scatter + copy-engine all-gather",
+          min_nccl=(2, 28, 0), ddp_kwargs=dict(comm_path="copy_engine")),
 ]}
-DEFAULT_LEVERS = ["cta-efficiency", "max-ctas-8", "max-ctas-4", "register", "bucket-10mb", "bucket-50mb",
-                  "first-bucket-25mb", "grad-view", "comm-prio0"]
+DEFAULT_LEVERS = ["comm-default", "comm-symmetric", "comm-copy-engine", "cta-efficiency", "max-ctas-8", "max-ctas-4",
+                  "register", "bucket-10mb", "bucket-50mb", "first-bucket-25mb", "grad-view", "comm-prio0"]
 MODE_PREFIX = "pynccl DDP + "
 
 
@@ -67,7 +74,8 @@ def parse(names):
 
 def unavailable(lever: Lever) -> Optional[str]:
     """Why `lever` cannot run in this process (the runtime NCCL is too old), or None."""
-    if lever.min_nccl > (2, 18, 0) or lever.nccl_env or lever.register_buffers or lever.comm_prio0:
+    if lever.min_nccl > (2, 18, 0) or lever.nccl_env or lever.register_buffers or lever.comm_prio0 or \
+            "comm_path" in lever.ddp_kwargs:
         if not pynccl.is_initialized() or pynccl.get_backend() != "nccl":
             return "needs the nccl backend"
         version = pynccl.nccl_version()          # the headers pynccl was built with and the library loaded

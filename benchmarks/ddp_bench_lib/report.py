@@ -12,6 +12,8 @@ def print_report(r):
           f"world size {r['world_size']}, {r['device']}, torch {r['torch']}, NCCL {r['nccl']}, "
           f"gradient_as_bucket_view={' and '.join(views[v] for v in r['grad_view'])}"
           f"{' (modes marked' + VIEW + ': True, for both DDPs)' if True in r['grad_view'] else ''}")
+    if r.get("comm_path"):
+        print(f"# pynccl DDP's buckets (comm_path after the first step's rebuild): {r['comm_path']}")
     modes = r["modes"]
 
     def overhead(m):      # over the floor run the same way (eager, or captured in a graph)

@@ -92,6 +92,16 @@ class Bucket:
         self.num_pending = len(params)
         self._views: Optional[List[torch.Tensor]] = None
 
+    def rebind(self, buffer: torch.Tensor) -> None:
+        """Move the bucket into `buffer` (same numel and dtype, e.g. symmetric memory): its
+        contents are copied and views() is rebuilt over it."""
+        if buffer.numel() != self.numel or buffer.dtype != self.dtype:
+            raise ValueError(f"Bucket.rebind: expected {self.numel} elements of {self.dtype}, "
+                             f"got {buffer.numel()} of {buffer.dtype}")
+        buffer.copy_(self.buffer)
+        self.buffer = buffer
+        self._views = None
+
     def views(self) -> List[torch.Tensor]:
         """The buffer cut into tensors shaped like the parameters (created once)."""
         if self._views is None:

@@ -19,7 +19,7 @@ inside the captured region when gradient_as_bucket_view=True).
 from __future__ import annotations
 
 import contextlib
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as tdist
@@ -28,6 +28,7 @@ import torch.nn as nn
 from ..comm import distributed as dist
 from ..comm.coalesced import MiB, broadcast_from_rank0, coalesced_broadcaster
 from ..comm.groups import resolve_group
+from . import comm_path as comm_paths
 from .join import Join
 from .reducer import Reducer
 from .sync_batchnorm import SyncBatchNorm
@@ -66,12 +67,15 @@ class DistributedDataParallel(nn.Module):
 
     Comm hooks see buckets as torch's do, not divided by world size (see hooks.py). `dim` and
     `output_device` are kept for compatibility: single-device modules only, as torch today.
+    comm_path (pynccl's own, keyword only): how the buckets are all-reduced on NCCL: "auto"
+    (default; PYNCCL_DDP_COMM_PATH overrides), "default", "symmetric" or "copy_engine"
+    (comm_path.py); `reducer.comm_path` says what is in use and why.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
                  broadcast_buffers: bool = True, process_group=None, bucket_cap_mb=25,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False):
+                 static_graph: bool = False, *, comm_path: Optional[str] = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -116,7 +120,7 @@ class DistributedDataParallel(nn.Module):
         self._buffer_broadcast = None
         self._join = None                    # the active join() context (join.py), if any
         self.reducer = Reducer(named_params, group, int(bucket_cap_mb * MiB), find_unused_parameters,
-                               gradient_as_bucket_view, static_graph)
+                               gradient_as_bucket_view, static_graph, comm_paths.resolve(comm_path))
 
     @staticmethod
     def _trainable_params(module: nn.Module) -> List[tuple]:

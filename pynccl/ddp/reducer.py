@@ -12,6 +12,7 @@ from typing import List
 
 import torch
 
+from . import comm_path as comm_paths
 from . import hooks as comm_hooks
 from .buckets import DEFAULT_FIRST_BUCKET_BYTES, Bucket, GradBucketer
 from ..comm.groups import resolve_group
@@ -61,7 +62,7 @@ class Reducer:
     """Owns the bucketer of a DDP module and what happens to a ready bucket."""
 
     def __init__(self, named_params, group, bucket_cap_bytes: int, find_unused: bool, grad_as_view: bool,
-                 static_graph: bool):
+                 static_graph: bool, comm_path: str = "auto"):
         self.group = group
         self.backend = group.backend
         self.scale = 1.0 / group.world_size      # the pack's scale; _setup_buckets sets it per hook
@@ -90,6 +91,8 @@ class Reducer:
         self._allow_fused = True
         self._register_buffers = False
         self._registrations: list = []                    # (communicator, handle) of registered buckets
+        self.requested_comm_path = comm_path              # comm_path.py: where the fused buckets' wires live
+        self.comm_path = comm_paths.CommPath("default")
         weakref.finalize(self, _deregister, self._registrations)
         self._setup_buckets()
 
@@ -139,6 +142,14 @@ class Reducer:
             b.extra["wire"] = wire
             b.extra["grad_bucket"] = comm_hooks.GradBucket(b.index, wire, b.params, b.index == last)
         self.fused_comm = self._fused_comm()
+        if self.fused_comm is not None:
+            # NOTE: collective (every rank rebuilds its buckets at the same point of the same step).
+            self.comm_path = comm_paths.place_wires(self.bucketer.buckets, resolve_group(self.hook_state),
+                                                    self.requested_comm_path)
+        else:
+            for b in self.bucketer.buckets:
+                b.extra["result"] = b.extra["wire"]
+            self.comm_path = comm_paths.CommPath("default", reason="no fused CUDA path (gloo, or a user's hook)")
         self._update_registrations()
 
     def _fused_comm(self):
@@ -231,6 +242,8 @@ class Reducer:
 
     def _reduce(self, b: Bucket, sources: List[torch.Tensor]):
         wire = b.extra["wire"]
+        if b.extra["result"] is not wire:        # a padded symmetric wire: the hook sees the unpadded part
+            wire = b.extra["result"]
         if wire is b.buffer and all(s is v for s, v in zip(sources, b.views())):
             # The gradients already are the buffer: no copy; and no kernel at all when the
             # scale is 1 (world size 1), which is the identity.
@@ -251,9 +264,9 @@ class Reducer:
         sources = self._sources(b)
         if self.fused_comm is not None:
             # pack on the side stream, then the all-reduce: one C++ call (bucket_reduce.cpp)
-            wire = b.extra["wire"]
-            work = self.fused_comm.reduce_bucket(sources, wire, self.scale, self.pack_stream.cuda_stream)
-            handle = comm_hooks._Pending(work, wire)
+            work = self.fused_comm.reduce_bucket(sources, b.extra["wire"], self.scale, self.pack_stream.cuda_stream,
+                                                 self.comm_path.split_all_reduce)
+            handle = comm_hooks._Pending(work, b.extra["result"])
         elif self.pack_stream is not None:
             # The same through Python: pack on the side stream, the hook's collective after it.
             self.pack_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -276,7 +289,7 @@ class Reducer:
         used-map all-reduce where they run one (_globally_unused)."""
         handles, last = [], len(self.bucketer.buckets) - 1
         for b in self.bucketer.buckets:
-            zeros = torch.zeros_like(b.extra["wire"])
+            zeros = torch.zeros_like(b.extra["result"])
             if self.fused_comm is not None:
                 # NOTE: the communicator reduce_bucket runs on elsewhere, called the same way
                 # (past the collective check, which reduce_bucket does not go through either).

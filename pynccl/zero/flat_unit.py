@@ -19,12 +19,29 @@ from .layout import FlatLayout
 
 
 class PendingReduce:
-    """A gradient reduce-scatter in flight; `inp` stays referenced until it completes."""
+    """A gradient reduce-scatter in flight; `inp` stays referenced until it completes. `out` is
+    borrowed (a slice of a reused symmetric buffer) when `out_borrowed`: finish_reduce copies it."""
 
-    __slots__ = ("unit", "work", "out", "inp")
+    __slots__ = ("unit", "work", "out", "inp", "out_borrowed")
 
-    def __init__(self, unit: "ShardedUnit", work, out: torch.Tensor, inp: torch.Tensor):
-        self.unit, self.work, self.out, self.inp = unit, work, out, inp
+    def __init__(self, unit: "ShardedUnit", work, out: torch.Tensor, inp: torch.Tensor, out_borrowed: bool = False):
+        self.unit, self.work, self.out, self.inp, self.out_borrowed = unit, work, out, inp, out_borrowed
+
+
+class SymmetricReduceRing:
+    """Reduce-scatter buffers in one NCCL symmetric window (comm/symmetric.py), reused in turn:
+    `size` slots of `numel` elements, so the reduce-scatter runs NCCL's symmetric kernel (a few
+    CTAs). NOTE: a slot is reused `size` launches later; the ReduceQueue keeps at most size - 1
+    reduces pending, and a reused slot's next pack is stream-ordered after its last reduce."""
+
+    def __init__(self, slots: List[torch.Tensor]):
+        self.slots = slots
+        self.next = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        slot = self.slots[self.next]
+        self.next = (self.next + 1) % len(self.slots)
+        return slot[:numel]
 
 
 class ReduceQueue:
@@ -72,9 +89,13 @@ class ShardedUnit:
 
     def __init__(self, index: int, layout: FlatLayout, params: Sequence[nn.Parameter], group,
                  compute_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype], *,
-                 persistent: bool, sync_from_first_rank: bool, reduce_group=None):
+                 persistent: bool, sync_from_first_rank: bool, reduce_group=None,
+                 full_buffer: Optional[torch.Tensor] = None, reduce_ring: Optional[SymmetricReduceRing] = None):
         """params: the module's original parameters, one per slot; each becomes a view of this
-        rank's rows of it in the shard (param.data is replaced, the object stays the same)."""
+        rank's rows of it in the shard (param.data is replaced, the object stays the same).
+        full_buffer (persistent units): where `full` lives, (padded_numel,) in the compute dtype,
+        e.g. a symmetric window, so its all-gathers run on NCCL's copy engines / symmetric kernels.
+        reduce_ring: symmetric buffers the gradient reduce-scatters run in (else fresh tensors)."""
         master_dtype = params[0].dtype
         for slot, p in zip(layout.slots, params):
             if p.dtype != master_dtype:
@@ -90,6 +111,7 @@ class ShardedUnit:
         self.compute_dtype = compute_dtype or master_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.persistent = persistent
+        self.reduce_ring = reduce_ring
         self._zeros = {}                               # dtype -> zeros for the padding (pack_slots)
         device = params[0].device
         k = layout.shard_numel
@@ -100,12 +122,15 @@ class ShardedUnit:
                 dist.broadcast(flat, src=group.ranks[0], group=group)
             mine = flat[self.rank * k: (self.rank + 1) * k]
             self.alias = persistent and self.compute_dtype == master_dtype
+            if full_buffer is not None:
+                full_buffer.copy_(flat)                # cast where the compute dtype differs
             if self.alias:
-                full, shard = flat, mine
+                full = flat if full_buffer is None else full_buffer
+                shard = full[self.rank * k: (self.rank + 1) * k]
             else:
                 shard = mine.clone()
-                full = flat.to(self.compute_dtype) if persistent else torch.empty(
-                    layout.padded_numel, dtype=self.compute_dtype, device=device)
+                full = (flat.to(self.compute_dtype) if full_buffer is None else full_buffer) if persistent else \
+                    torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=device)
             del flat, mine
         self.shard = shard                             # (shard_numel,) master dtype, this rank's
         self.params = list(params)
@@ -179,9 +204,9 @@ class ShardedUnit:
             self.full.untyped_storage().resize_(0)
             self.stale = True
 
-    def pack_slots(self, tensors: List[torch.Tensor], flat: torch.Tensor) -> None:
-        """Pack one tensor per slot into `flat` (padded_numel,) at the slots' offsets, zeros in
-        the padding between them: one backend.pack call (on NCCL one fused kernel)."""
+    def pack_slots(self, tensors: List[torch.Tensor], flat: torch.Tensor, scale: float = 1.0) -> None:
+        """Pack one tensor per slot into `flat` (padded_numel,) at the slots' offsets (x scale),
+        zeros in the padding between them: one backend.pack call (on NCCL one fused kernel)."""
         sizes = self.layout.split_sizes
         zeros = self._zeros.get(tensors[0].dtype)
         if zeros is None or zeros.device != tensors[0].device:
@@ -194,7 +219,7 @@ class ShardedUnit:
             parts.append(t)
         if sizes[-1]:
             parts.append(zeros[: sizes[-1]])
-        self.backend.pack(parts, flat)
+        self.backend.pack(parts, flat, scale)
 
     # ------------------------------------------------------------------ gradients
     def reduce_grad(self, grads: List[Optional[torch.Tensor]]) -> PendingReduce:
@@ -206,6 +231,17 @@ class ShardedUnit:
         device = self.full.device
         with torch.no_grad():
             flat_given = len(grads) == 1 and grads[0] is not None and grads[0].numel() == L.padded_numel
+            if self.reduce_ring is not None and not flat_given:
+                # In a symmetric window: the 1/N is folded into the pack and the reduce-scatter is an
+                # in-place SUM (NCCL's symmetric kernels sum; AVG would leave them). Bit for bit the
+                # AVG of the other path: NCCL's float AVG is this premultiplied sum.
+                inp = self.reduce_ring.take(L.padded_numel)
+                tensors = [g if g is not None else torch.zeros(s.shape, dtype=self.compute_dtype, device=device)
+                           for g, s in zip(grads, L.slots)]
+                self.pack_slots(tensors, inp, 1.0 / self.reduce_group.backend.world_size)
+                out = inp[self.rank * L.shard_numel: (self.rank + 1) * L.shard_numel]
+                work = dist.reduce_scatter_tensor(out, inp, op=ReduceOp.SUM, group=self.reduce_group, async_op=True)
+                return PendingReduce(self, work, out, inp, out_borrowed=True)
             if flat_given and grads[0].dtype == self.reduce_dtype:
                 inp = grads[0].view(-1)
             else:
@@ -227,7 +263,10 @@ class ShardedUnit:
         # The input is spent once the reduce-scatter is done: free it before the cast allocates.
         pending.inp = None
         with torch.no_grad():
-            g = pending.out if pending.out.dtype == self.master_dtype else pending.out.to(self.master_dtype)
+            if pending.out.dtype != self.master_dtype:
+                g = pending.out.to(self.master_dtype)
+            else:                                       # a borrowed slot is reused: the gradient needs its own
+                g = pending.out.clone() if pending.out_borrowed else pending.out
             self.add_grad(g)
         pending.inp = pending.out = None
 

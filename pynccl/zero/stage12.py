@@ -18,14 +18,16 @@ still cost no gather.
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from typing import List
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..comm.symmetric import alloc_symmetric
 from ..ddp.buckets import DEFAULT_FIRST_BUCKET_BYTES, GradBucketer
-from .flat_unit import ReduceQueue, ShardedUnit
+from .flat_unit import ReduceQueue, ShardedUnit, SymmetricReduceRing
 from .layout import FlatLayout
 from .params import ParamInfo, install
 
@@ -52,14 +54,20 @@ class ReplicatedParamsRuntime:
             param_names={leaf: info.name for leaf, (info, _) in zip(leaves, trainable)}, pad_to=group.world_size)
         self.units: List[ShardedUnit] = []
         self.unit_leaves: List[List[torch.Tensor]] = []
+        layouts, members_of = [], []
         for bucket in self.bucketer.buckets:
             # NOTE: units own their buffers; the bucket's own flat buffer is never used here.
             bucket.buffer = bucket.buffer.new_empty(0)
             members = [trainable[i] for i in bucket.param_indices]
-            layout = FlatLayout([info.name for info, _ in members], [t.shape for _, t in members],
-                                [info.index for info, _ in members], group.world_size)
+            members_of.append(members)
+            layouts.append(FlatLayout([info.name for info, _ in members], [t.shape for _, t in members],
+                                      [info.index for info, _ in members], group.world_size))
+        fulls, ring = self._symmetric_buffers(layouts, members_of, group, policy)
+        self.symmetric = fulls is not None
+        for bucket, members, layout, full in zip(self.bucketer.buckets, members_of, layouts, fulls or [None] * len(layouts)):
             unit = ShardedUnit(len(self.units), layout, [t for _, t in members], group, policy.param_dtype,
-                               policy.reduce_dtype, persistent=True, sync_from_first_rank=sync_module_states)
+                               policy.reduce_dtype, persistent=True, sync_from_first_rank=sync_module_states,
+                               full_buffer=full, reduce_ring=ring)
             unit_leaves = [leaves[i] for i in bucket.param_indices]
             with torch.no_grad():
                 for slot_idx, (leaf, view, (info, _)) in enumerate(zip(unit_leaves, layout.views(unit.full), members)):
@@ -73,6 +81,26 @@ class ReplicatedParamsRuntime:
         self._param_ids = {id(p) for u in self.units for p in u.params}
         handle = register_optimizer_step_post_hook(functools.partial(_after_optimizer_step, weakref.ref(self)))
         weakref.finalize(self, handle.remove)
+
+    @staticmethod
+    def _symmetric_buffers(layouts, members_of, group, policy):
+        """Collective: every unit's full buffer and a ring of reduce-scatter buffers in one NCCL
+        symmetric window (comm/symmetric.py), so the re-gathers run on the copy engines and the
+        reduce-scatters on NCCL's symmetric kernels; (None, None) where that is off
+        (PYNCCL_ZERO_SYMMETRIC=0, gloo, one rank, a requirement missing: symmetric_support says)."""
+        if os.environ.get("PYNCCL_ZERO_SYMMETRIC", "1").strip() == "0" or not layouts:
+            return None, None
+        compute = [policy.param_dtype or members[0][1].dtype for members in members_of]
+        reduce_dtypes = {policy.reduce_dtype or c for c in compute}
+        if len(reduce_dtypes) != 1:                   # one ring, one dtype
+            return None, None
+        ring_numel = max(layout.padded_numel for layout in layouts)
+        sizes = [(layout.padded_numel, c) for layout, c in zip(layouts, compute)]
+        sizes += [(ring_numel, reduce_dtypes.pop())] * (MAX_IN_FLIGHT + 1)
+        buffers = alloc_symmetric(group, sizes)
+        if buffers is None:
+            return None, None
+        return buffers[:len(layouts)], SymmetricReduceRing(buffers[len(layouts):])
 
     def mark_stale(self) -> None:
         """Every unit re-gathers before the next forward (its shard may have changed)."""

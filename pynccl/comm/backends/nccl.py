@@ -38,6 +38,11 @@ class NcclOptions:
     cga_cluster_size: int = -1
     min_ctas: int = -1
     max_ctas: int = -1
+    # ncclConfig_t.CTAPolicy (0 default, 1 efficiency, 2 zero). None: ZERO where the run-time NCCL
+    # has copy-engine collectives (>= 2.28), else NCCL's default. ZERO changes only all-gathers
+    # (and all-to-all, gather, scatter) whose buffers lie in symmetric windows (comm/symmetric.py):
+    # they run on the copy engines, holding no SM. PYNCCL_NCCL_CTA_POLICY overrides it.
+    cta_policy: Optional[int] = None
 
 
 def get_unique_id() -> bytes:
@@ -83,6 +88,18 @@ def _forwarder(name: str):
 _CppOps = type("_CppOps", (), {name: _forwarder(name) for name in _COMM_OPS + _KERNELS})
 
 
+CTA_POLICY_ZERO = 2
+_COPY_ENGINE_VERSION = (2, 28, 0)
+
+
+def _cta_policy(policy: Optional[int]) -> int:
+    if policy is not None:
+        if policy not in (0, 1, 2):
+            raise ValueError(f"NcclOptions.cta_policy must be 0 (default), 1 (efficiency) or 2 (zero), got {policy!r}")
+        return policy
+    return CTA_POLICY_ZERO if _ext.nccl_version().runtime >= _COPY_ENGINE_VERSION else -1
+
+
 def _seconds(timeout: Union[float, datetime.timedelta]) -> float:
     return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
 
@@ -121,7 +138,8 @@ class NcclBackend(_CppOps, Backend):
         comm = c.Communicator(bytes(unique_id), int(world_size), int(rank), _device_index(device),
                               timeout_s=_seconds(timeout), blocking=options.blocking, name=options.name,
                               cga_cluster_size=options.cga_cluster_size, min_ctas=options.min_ctas,
-                              max_ctas=options.max_ctas, on_timeout=options.on_timeout)
+                              max_ctas=options.max_ctas, on_timeout=options.on_timeout,
+                              cta_policy=_cta_policy(options.cta_policy))
         return cls(comm)
 
     def __repr__(self):
