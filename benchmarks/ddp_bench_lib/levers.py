@@ -24,6 +24,7 @@ class Lever:
     first_bucket_mb: Optional[float] = None     # the first bucket's cap after the rebuild (default 1 MiB)
     register_buffers: bool = False              # ncclCommRegister of every bucket (NCCL >= 2.19)
     comm_prio0: bool = False                    # the communicator's stream at normal priority
+    hook: Optional[str] = None                  # a built-in comm hook of pynccl.comm_hooks, by name
 
 
 LEVERS = {lv.name: lv for lv in [
@@ -54,6 +55,8 @@ LEVERS = {lv.name: lv for lv in [
           min_nccl=(2, 27, 0), ddp_kwargs=dict(comm_path="symmetric")),
     Lever("comm-copy-engine", "comm_path='copy_engine': symmetric reduce-scatter + copy-engine all-gather",
           min_nccl=(2, 28, 0), ddp_kwargs=dict(comm_path="copy_engine")),
+    Lever("bf16-wire", "bf16_compress_hook: a bf16 wire (half the bytes), fp32 accumulation in the symmetric kernels",
+          hook="bf16_compress_hook"),
 ]}
 DEFAULT_LEVERS = ["comm-default", "comm-symmetric", "comm-copy-engine", "cta-efficiency", "max-ctas-8", "max-ctas-4",
                   "register", "bucket-10mb", "bucket-50mb", "first-bucket-25mb", "grad-view", "comm-prio0"]
@@ -112,3 +115,5 @@ def apply(ddp, lever: Lever) -> None:
         ddp.reducer.bucketer.first_bucket_cap_bytes = int(lever.first_bucket_mb * MiB)
     if lever.register_buffers:
         ddp.reducer.register_buffers = True
+    if lever.hook is not None:
+        ddp.register_comm_hook(None, getattr(pynccl.comm_hooks, lever.hook))

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import pynccl
+from pynccl.comm.symmetric import alloc_symmetric
 
 from . import levers as lv
 from .models import MODELS, make_optimizer
@@ -87,8 +88,13 @@ class Trainer:
         if mode == ORACLE:
             per = ORACLE_BUCKET_BYTES // 4
             n = self.num_params
-            self.hidden_comm = [torch.zeros(min(per, n - i), device=device) for i in range(0, n, per)]
             self.comm_group = group if group is not None else pynccl.get_default_group()
+            sizes = [(min(per, n - i), torch.float32) for i in range(0, n, per)]
+            # The bound of the path pynccl DDP takes by default: its buckets' symmetric window where
+            # there is one (comm/symmetric.py), else ordinary tensors.
+            self.hidden_comm = alloc_symmetric(self.comm_group, sizes) if cuda else None
+            if self.hidden_comm is None:
+                self.hidden_comm = [torch.zeros(k, device=device) for k, _ in sizes]
         self.opt = make_optimizer(model, device)
         self.x, self.y = batch
         self.autocast = args.precision == "bf16"
