@@ -22,7 +22,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pynccl  # noqa: E402
+from ddp_bench_lib.levers import group_with_env  # noqa: E402
 from pynccl.comm.symmetric import alloc_symmetric, symmetric_support  # noqa: E402
 
 ENV_GROUPS = {  # communicators made while these PYNCCL_NCCL_* variables are set (comm_config.cpp)
@@ -30,19 +32,6 @@ ENV_GROUPS = {  # communicators made while these PYNCCL_NCCL_* variables are set
     "nccl maxCTAs=8": {"PYNCCL_NCCL_MIN_CTAS": "1", "PYNCCL_NCCL_MAX_CTAS": "8"},
     "cta efficiency": {"PYNCCL_NCCL_CTA_POLICY": "1"},
 }
-
-
-def _group_with_env(env):
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return pynccl.new_group()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _timed(fn, iters, stream):
@@ -62,7 +51,7 @@ def _paths(numel, world_size, device):
     paths = {"nccl default": (lambda: comm.all_reduce(plain, pynccl.ReduceOp.SUM), "")}
     for name, env in ENV_GROUPS.items():
         try:
-            c = _group_with_env(env).backend.comm
+            c = group_with_env(env).backend.comm
             buf = torch.ones(numel, device=device)
             paths[name] = (lambda c=c, buf=buf: c.all_reduce(buf, pynccl.ReduceOp.SUM), "")
         except ValueError as e:                            # e.g. CTAPolicy on an older NCCL

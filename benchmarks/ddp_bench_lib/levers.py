@@ -94,8 +94,12 @@ def make_group(lever: Lever):
     env = dict(lever.nccl_env)
     if lever.comm_prio0:
         env["PYNCCL_COMM_STREAM_HIGH_PRIORITY"] = "0"
-    if not env:
-        return None
+    return group_with_env(env) if env else None
+
+
+def group_with_env(env: Dict[str, str]):
+    """pynccl.new_group() over every rank (collective), made while the PYNCCL_* variables `env`
+    are set (comm_config.cpp reads them at every init and split), then restored."""
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
