@@ -228,6 +228,9 @@ def main():
                    help="gradient_as_bucket_view for both DDPs: --grad-view (= on) True, 'both' runs the DDP modes "
                         "under False and True in one process (floors shared)")
     p.add_argument("--skip", nargs="*", default=[], choices=MODES, help="modes to leave out")
+    p.add_argument("--graph-modes", action="store_true",
+                   help="run the CUDA-graph modes also for models whose graphs do not fit an 80 GB H100 beside the "
+                        "other modes (hf-gpt2-medium)")
     p.add_argument("--levers", nargs="*", default=None, metavar="LEVER",
                    help=f"time the floor, torch DDP, pynccl DDP and pynccl DDP with each lever, alternating, a "
                         f"window per lever; 'default' (no names), 'all', or names from {sorted(lv.LEVERS)} "
@@ -253,8 +256,13 @@ def main():
     args.prio0_group = None                             # set in the workers by --compare-priority
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("ddp_bench: no CUDA GPU here; --device cpu runs the code paths on gloo")
+    graph_modes = {FLOOR + " + graph", "pynccl DDP + graph"}
     if args.device == "cpu":
-        args.skip = sorted(set(args.skip) | {FLOOR + " + graph", "pynccl DDP + graph"})   # no CUDA graphs
+        args.skip = sorted(set(args.skip) | graph_modes)   # no CUDA graphs
+    elif not MODELS[args.model].graph_modes_fit and not args.graph_modes:
+        print(f"ddp_bench: skipping the CUDA-graph modes for {args.model} (they do not fit an 80 GB H100 beside the "
+              f"others; --graph-modes runs them)", file=sys.stderr)
+        args.skip = sorted(set(args.skip) | graph_modes)
     # NOTE: decided here: run_multiprocess sets RANK in the processes it spawns as well.
     args.torchrun = "RANK" in os.environ
     if args.torchrun:                                   # rank 0 reports from its worker
