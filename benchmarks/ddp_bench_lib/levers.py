@@ -25,6 +25,7 @@ class Lever:
     register_buffers: bool = False              # ncclCommRegister of every bucket (NCCL >= 2.19)
     comm_prio0: bool = False                    # the communicator's stream at normal priority
     hook: Optional[str] = None                  # a built-in comm hook of pynccl.comm_hooks, by name
+    overlap_optimizer: bool = False             # DDP.overlap_optimizer: the step per bucket, in backward
 
 
 LEVERS = {lv.name: lv for lv in [
@@ -55,6 +56,8 @@ LEVERS = {lv.name: lv for lv in [
           min_nccl=(2, 27, 0), ddp_kwargs=dict(comm_path="symmetric")),
     Lever("comm-copy-engine", "comm_path='copy_engine': symmetric reduce-scatter + copy-engine all-gather",
           min_nccl=(2, 28, 0), ddp_kwargs=dict(comm_path="copy_engine")),
+    Lever("overlap-optimizer", "DDP.overlap_optimizer: each bucket's AdamW step in backward, once its all-reduce "
+          "ends (exact; opt-in)", overlap_optimizer=True),
     Lever("bf16-wire", "bf16_compress_hook: a bf16 wire (half the bytes), fp32 accumulation in the symmetric kernels",
           hook="bf16_compress_hook"),
 ]}

@@ -96,6 +96,8 @@ class Trainer:
             if self.hidden_comm is None:
                 self.hidden_comm = [torch.zeros(k, device=device) for k, _ in sizes]
         self.opt = make_optimizer(model, device)
+        if lever is not None and lever.overlap_optimizer:
+            self.ddp.overlap_optimizer(self.opt)
         self.x, self.y = batch
         self.autocast = args.precision == "bf16"
         self.graph = None

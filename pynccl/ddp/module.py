@@ -30,6 +30,7 @@ from ..comm.coalesced import MiB, broadcast_from_rank0, coalesced_broadcaster
 from ..comm.groups import resolve_group
 from . import comm_path as comm_paths
 from .join import Join
+from .optimizer_overlap import OptimizerOverlap
 from .reducer import Reducer
 from .sync_batchnorm import SyncBatchNorm
 
@@ -189,6 +190,16 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = old
+
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """pynccl's own (torch's counterpart is the experimental _register_fused_optim): steps
+        `optimizer`'s parameters a bucket at a time during backward, as each bucket's reduction
+        ends (optimizer_overlap.py). Returns the same optimizer; its step() then only waits.
+        Exact for torch's optimizers; refuses find_unused_parameters=True."""
+        if self.reducer.overlap is not None:
+            raise RuntimeError("overlap_optimizer: an optimizer is already overlapped with this model's backward")
+        self.reducer.overlap = OptimizerOverlap(self.reducer, optimizer)
+        return optimizer
 
     def register_comm_hook(self, state, hook) -> None:
         """hook(state, GradBucket) -> object whose wait() returns the reduced flat gradient;

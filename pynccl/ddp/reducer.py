@@ -93,6 +93,7 @@ class Reducer:
         self._registrations: list = []                    # (communicator, handle) of registered buckets
         self.requested_comm_path = comm_path              # comm_path.py: where the fused buckets' wires live
         self.comm_path = comm_paths.CommPath("default")
+        self.overlap = None                               # optimizer_overlap.OptimizerOverlap, if asked for
         weakref.finalize(self, _deregister, self._registrations)
         self._setup_buckets()
 
@@ -184,6 +185,8 @@ class Reducer:
         self.backend.broadcast(order, 0)
         self.bucketer.rebuild(order.tolist())
         self._setup_buckets()
+        if self.overlap is not None:
+            self.overlap.rebuild()
         if self.grad_as_view:
             for b in self.bucketer.buckets:
                 for p, v in zip(b.params, b.views()):
@@ -275,6 +278,8 @@ class Reducer:
         else:
             handle = self._reduce(b, sources)
         self.pending.append((b, handle, sources))        # sources: alive until the streams join
+        if self.overlap is not None:
+            self.overlap.step_bucket(b, handle)
 
     def set_divisor(self, divisor=None) -> None:
         """A built-in hook divides by `divisor` instead of its group's size (join() with
@@ -326,6 +331,9 @@ class Reducer:
         if self.pack_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.pack_stream)
         pending, self.pending = self.pending, []
+        if self.overlap is not None:                     # those buckets are written back and stepped
+            pending = [x for x in pending if x[0].index not in self.overlap.stepped]
+            self.overlap.finish_backward()
         if not pending:
             return
         unused = self._globally_unused()
