@@ -4,7 +4,7 @@ vocabulary-parallel cross-entropy, the RNG tracker for dropout, and a GPT-2-styl
 Also by plan on an unmodified model (plan.py, styles.py, loss_parallel.py, plans.py:
 parallelize_module with ColwiseParallel, RowwiseParallel, SequenceParallel, ... as
 torch.distributed.tensor.parallel, Hugging Face [b, s, h] layout) and a full state dict back
-from it (state_dict.py).
+from it (state_dict.py), or sharded as DTensors for torch.distributed.checkpoint (dcp.py).
 
 Conventions
 * Layout [s, b, h], sequence first (as Megatron): sequence parallelism splits dim 0, so each
@@ -45,6 +45,7 @@ from .styles import (ColwiseParallel, LocalHeads, PrepareModuleInput, PrepareMod
                      SequenceParallel)
 from .random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_cuda_rng_tracker, get_rng_tracker,
                      model_parallel_seed)
+from .dcp import load_sharded_optim_state_dict, load_sharded_state_dict, sharded_optim_state_dict, sharded_state_dict
 from .state_dict import unshard_tensor, unsharded_state_dict
 from .transformer import ParallelCausalSelfAttention, ParallelMLP, ParallelTransformerBlock
 
@@ -60,4 +61,5 @@ __all__ = [
     "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "LocalHeads", "LossParallel", "Shard", "Replicate", "plans",
     "shard_specs", "vocab_parallel_causal_lm_loss", "unsharded_state_dict", "unshard_tensor",
+    "sharded_state_dict", "load_sharded_state_dict", "sharded_optim_state_dict", "load_sharded_optim_state_dict",
 ]
