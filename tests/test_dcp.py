@@ -195,7 +195,93 @@ def _save_side(rank, ws, root):
         resumed = run_steps(fresh, fresh_opt, range(SAVED_AT, STEPS), rank, ws)
         assert resumed == uninterrupted, f"{name}: resumed losses {resumed} != uninterrupted {uninterrupted}"
         assert_equal_nested(whole(get_sd(fresh, fresh_opt)), whole(get_sd(model, opt)), f"{name} resumed")
+    _options_and_errors(rank, ws)
+    _frozen_and_sgd_save(rank, ws, root)
     return True
+
+
+def _options_and_errors(rank, ws):
+    """StateDictOptions, FSDP1's state_dict_type and the errors, against the full state dict."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    model, opt = wrap(3)
+    run_steps(model, opt, range(1), rank, ws)
+    full, full_optim = model.full_state_dict(), model.full_optim_state_dict(opt)
+    assert_equal_nested(zero.get_model_state_dict(model, options=FULL), full, "full_state_dict=True")
+    assert_equal_nested(whole(model.state_dict()), full, "sharded state dict made whole")
+    rank0 = zero.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    assert (rank0 == {}) == (rank != 0)
+    named = zero.get_optimizer_state_dict(model, opt, options=FULL)       # keyed by name, as torch's
+    names = [n for n, _ in make_net().named_parameters()]
+    assert list(named["state"]) == names and named["param_groups"][0]["params"] == names
+    for i, name in enumerate(names):
+        assert_equal_nested(named["state"][name], full_optim["state"][i], f"full optimizer state of {name}")
+    with model.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        assert_equal_nested(model.state_dict(), full, "FULL_STATE_DICT")
+        assert_equal_nested(model.optim_state_dict(model, opt), named, "FSDP1 optim_state_dict")
+    assert isinstance(model.state_dict()["emb.weight"], DTensor), "the context manager restores the setting"
+    previous = pynccl.FullyShardedDataParallel.set_state_dict_type(
+        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True))
+    assert previous.state_dict_type == StateDictType.SHARDED_STATE_DICT
+    assert (model.state_dict() == {}) == (rank != 0)
+    model.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+    # Flattened (torch's flatten_optimizer_state_dict) round trip, and FSDP1's optim_state_dict_to_load.
+    flat = zero.get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert "state.emb.weight.exp_avg" in flat and "param_groups.head.weight.lr" not in flat
+    other, other_opt = wrap(1)
+    zero.set_optimizer_state_dict(other, other_opt, flat)
+    assert_equal_nested(other.full_optim_state_dict(other_opt), full_optim, "flattened optimizer state, stage 3 -> 1")
+    other_opt.load_state_dict(other.optim_state_dict_to_load(other, other_opt, named))
+    assert_equal_nested(other.full_optim_state_dict(other_opt), full_optim, "optim_state_dict_to_load")
+    # Non-strict loading reports the keys; strict raises what torch raises (a RuntimeError).
+    sd = model.state_dict()
+    missing = other.load_state_dict({k: v for k, v in sd.items() if k != "norm.bias"}, strict=False)
+    assert missing.missing_keys == ["norm.bias"] and missing.unexpected_keys == []
+    with pytest.raises(RuntimeError, match=r"missing keys \['norm.bias'\]"):
+        other.load_state_dict({k: v for k, v in sd.items() if k != "norm.bias"})
+    with pytest.raises(ValueError, match=r"'norm.weight' has shape \(6,\), expected \(5,\)"):
+        other.load_state_dict({**sd, "norm.weight": torch.zeros(6)})
+    with pytest.raises(ValueError, match="LOCAL_STATE_DICT"):
+        model.set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)
+    with pytest.raises(ValueError, match="broadcast_from_rank0"):
+        zero.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with pytest.raises(TypeError, match="expected a pynccl.FullyShardedDataParallel"):
+        zero.get_model_state_dict(make_net())
+    with pytest.raises(KeyError, match="not parameter names"):
+        zero.set_optimizer_state_dict(model, opt, {"state": {"nope.weight": {}}, "param_groups": []})
+
+
+def _frozen_net():
+    net = make_net()
+    net.norm.requires_grad_(False)
+    with torch.no_grad():
+        net.norm.weight.mul_(1.5)                      # frozen, but not at its initial value
+    return net
+
+
+def _frozen_and_sgd_save(rank, ws, root):
+    """Two more sources: a frozen parameter (whole on every rank), and SGD's momentum_buffer."""
+    model = pynccl.FullyShardedDataParallel(_frozen_net(), stage=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    run_steps(model, opt, range(SAVED_AT), rank, ws)
+    sd = get_sd(model, opt)
+    assert isinstance(sd["model"]["norm.weight"], DTensor) and "norm.weight" not in sd["optim"]["state"]
+    assert "norm.weight" not in zero.get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    dcp.save(sd, checkpoint_id=os.path.join(root, "frozen"))
+    model = pynccl.FullyShardedDataParallel(make_net(), stage=2, bucket_cap_mb=0.0005)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    run_steps(model, opt, range(SAVED_AT), rank, ws)
+    dcp.save(get_sd(model, opt), checkpoint_id=os.path.join(root, "sgd"))
+
+
+def _frozen_and_sgd_load(rank, ws, root):
+    for path, net, make_opt, stage in (("frozen", _frozen_net, lambda ps: torch.optim.AdamW(ps, lr=LR), 1),
+                                       ("sgd", make_net, lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9), 3)):
+        model = pynccl.FullyShardedDataParallel(net(), stage=stage, bucket_cap_mb=0.0005)
+        opt = make_opt(model.parameters())
+        load(model, opt, os.path.join(root, path))
+        loaded = whole(get_sd(model, opt, FULL))
+        assert_equal_nested(loaded, read_whole(os.path.join(root, path), loaded), f"{path} (ws 2) -> ws {ws}")
+        assert path != "sgd" or "momentum_buffer" in loaded["optim"]["state"]["emb.weight"]
 
 
 # ---------------------------------------------------------------------- world size 3: load
@@ -213,6 +299,7 @@ def _load_side(rank, ws, root, ref_losses):
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[SAVED_AT:]), rtol=0, atol=TOL,
                                        msg=lambda m: f"{what}: losses {losses} vs {ref_losses[SAVED_AT:]}: {m}")
             assert_close(whole(get_sd(model, opt, FULL)["model"]), expected_params, what)
+    _frozen_and_sgd_load(rank, ws, root)
     return True
 
 
