@@ -181,6 +181,9 @@ def _save_side(rank, ws, root):
     run_steps(net, opt, range(SAVED_AT), rank, ws)
     theirs = get_sd(net, opt)
     dcp.save(theirs, checkpoint_id=os.path.join(root, "fsdp2"))
+    in_memory, _ = wrap(3)                             # FSDP2's DTensors (same ranks) load as they are
+    in_memory.load_state_dict(net.state_dict())
+    assert_equal_nested(in_memory.full_state_dict(), whole(get_sd(net, opt, FULL))["model"], "FSDP2 in memory")
     for stage in (1, 2, 3):
         name = f"zero{stage}"
         model, opt = wrap(stage)

@@ -45,9 +45,23 @@ from .styles import (ColwiseParallel, LocalHeads, PrepareModuleInput, PrepareMod
                      SequenceParallel)
 from .random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_cuda_rng_tracker, get_rng_tracker,
                      model_parallel_seed)
-from .dcp import load_sharded_optim_state_dict, load_sharded_state_dict, sharded_optim_state_dict, sharded_state_dict
 from .state_dict import unshard_tensor, unsharded_state_dict
 from .transformer import ParallelCausalSelfAttention, ParallelMLP, ParallelTransformerBlock
+
+# dcp.py needs torch.distributed.checkpoint and DTensor (seconds to import): loaded on first use.
+_DCP_NAMES = ("sharded_state_dict", "load_sharded_state_dict", "sharded_optim_state_dict",
+              "load_sharded_optim_state_dict")
+
+
+def __getattr__(name):
+    if name in _DCP_NAMES:
+        from . import dcp
+        return getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_DCP_NAMES))
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLayerNorm",

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..comm import distributed as dist
 from ..comm.groups import resolve_group
 from ..zero.row_exchange import chunk_rows, exchange_rows
-from ..zero.sharded_state import device_mesh, to_dtensor, whole_of
+from ..zero.sharded_state import device_mesh, same_ranks, to_dtensor, whole_of
 from .layers import shard_tensor
 
 
@@ -89,8 +89,7 @@ def _to_local(key: str, value, spec, local_shape: torch.Size, group) -> torch.Te
     if tuple(value.shape) != tuple(expected):
         raise ValueError(f"'{key}' has shape {tuple(value.shape)}, expected {tuple(expected)} (this rank's "
                          f"{tuple(local_shape)} × tp {tp_size} on dim {dim})")
-    if isinstance(value, DTensor) and tuple(value.placements) == (Shard(dim),) and value.device_mesh.ndim == 1 \
-            and dist.get_process_group_ranks(value.device_mesh.get_group()) == dist.get_process_group_ranks(group):
+    if isinstance(value, DTensor) and tuple(value.placements) == (Shard(dim),) and same_ranks(value.device_mesh, group):
         local = value.to_local()
         return _regroup(local, dim, global_rows, num_chunks, group, to_fused=True) if num_chunks > 1 else local
     return shard_tensor(whole_of(value), dim, rank, tp_size, num_chunks)

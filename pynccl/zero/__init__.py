@@ -21,12 +21,25 @@ Files, one responsibility each:
   fsdp.py            FullyShardedDataParallel
 """
 from .clip import clip_grad_norm_
-from .dcp import (get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_model_state_dict,
-                  set_optimizer_state_dict, set_state_dict)
 from .fsdp import FullyShardedDataParallel
 from .hf_save import save_pretrained
 from .layout import FlatLayout
 from .mixed_precision import MixedPrecision
+
+# torch.distributed.checkpoint and DTensor take seconds to import: dcp.py loads on first use.
+_DCP_NAMES = ("get_model_state_dict", "get_optimizer_state_dict", "get_state_dict", "set_model_state_dict",
+              "set_optimizer_state_dict", "set_state_dict")
+
+
+def __getattr__(name):
+    if name in _DCP_NAMES:
+        from . import dcp
+        return getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_DCP_NAMES))
 
 __all__ = ["FullyShardedDataParallel", "MixedPrecision", "FlatLayout", "clip_grad_norm_", "get_model_state_dict",
            "get_optimizer_state_dict", "get_state_dict", "set_model_state_dict", "set_optimizer_state_dict",

@@ -20,6 +20,7 @@ import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as tdist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -95,8 +96,10 @@ def whole_to_dtensor(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 
 
 # ---------------------------------------------------------------------- values -> this rank's chunk
-def _same_ranks(mesh: DeviceMesh, group) -> bool:
-    return mesh.ndim == 1 and dist.get_process_group_ranks(mesh.get_group()) == dist.get_process_group_ranks(group)
+def same_ranks(mesh: DeviceMesh, group) -> bool:
+    """`mesh` is 1-D over `group`'s ranks in group order (its local tensors are our chunks)."""
+    # NOTE: torch's own lookup: pynccl's would map an unseen torch group to a new (collective) pynccl group.
+    return mesh.ndim == 1 and tdist.get_process_group_ranks(mesh.get_group()) == dist.get_process_group_ranks(group)
 
 
 def chunk_of(value, shape: torch.Size, group, what: str) -> torch.Tensor:
@@ -107,7 +110,7 @@ def chunk_of(value, shape: torch.Size, group, what: str) -> torch.Tensor:
         raise ValueError(f"{what} has shape {tuple(value.shape)}, expected {tuple(shape)}")
     ws, rank = dist.get_world_size(group), dist.get_rank(group)
     if isinstance(value, DTensor):
-        if len(shape) and tuple(value.placements) == (Shard(0),) and _same_ranks(value.device_mesh, group):
+        if len(shape) and tuple(value.placements) == (Shard(0),) and same_ranks(value.device_mesh, group):
             return value.to_local()
         if all(p.is_replicate() for p in value.placements):
             value = value.to_local()

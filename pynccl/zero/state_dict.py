@@ -19,14 +19,14 @@ import copy
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
+import sys
+
 import torch
-from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..comm import distributed as dist
 from .layout import FlatLayout
 from .params import install, named_buffers_all
-from .sharded_state import chunk_of, chunks_to_unit, whole_of
 
 
 def _cpu_clone(v):
@@ -149,6 +149,20 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = False) -> dict:
 
 
 # ---------------------------------------------------------------------- loading
+def is_dtensor(v) -> bool:
+    """v is a torch DTensor (no DTensor exists unless torch.distributed.tensor was imported, which
+    costs seconds: pynccl imports it only once DTensors are in play, see sharded_state.py)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(v, module.DTensor)
+
+
+def _whole(v):
+    if is_dtensor(v):
+        from .sharded_state import whole_of
+        return whole_of(v)
+    return v
+
+
 class StateDictKeyError(KeyError, RuntimeError):
     """Missing or unexpected keys under strict loading: a RuntimeError as torch's load_state_dict raises."""
 
@@ -184,9 +198,10 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True):
             if any(t is None for t in found):
                 continue                               # non-strict and missing: keep current values
             unit.check_params()
-            if not any(isinstance(t, DTensor) for t in found):
+            if not any(is_dtensor(t) for t in found):
                 unit.layout.shard_from_params(rank, found, unit.shard)
                 continue
+            from .sharded_state import chunk_of, chunks_to_unit
             chunks = {i: chunk_of(t, s.shape, group, f"'{s.name}'")
                       for i, (t, s) in enumerate(zip(found, unit.layout.slots))}
             views = unit.layout.local_views(rank, unit.shard)
@@ -195,13 +210,13 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True):
         for info in infos:
             t = lookup(info) if info.frozen_master is not None else None
             if t is not None:
-                info.frozen_master.copy_(whole_of(t))
+                info.frozen_master.copy_(_whole(t))
                 dtype = model.policy.param_dtype
                 install(info, info.frozen_master.to(dtype) if dtype is not None and t.is_floating_point()
                         else info.frozen_master)
         for name, buf in buffers.items():
             if name in state_dict:
-                buf.copy_(whole_of(state_dict[name]))
+                buf.copy_(_whole(state_dict[name]))
     model._runtime.mark_stale()
     return _IncompatibleKeys(missing, unexpected)
 
