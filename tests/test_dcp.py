@@ -83,11 +83,11 @@ def load(model, opt, path):
     set_sd(model, opt, sd)
 
 
-def run_steps(model, opt, steps, rank, ws):
+def run_steps(model, opt, steps, rank, ws, device="cpu"):
     """Training steps; returns the global batch's loss of each (the mean of the ranks' losses)."""
     losses = []
     for step in steps:
-        loss = model(*local(global_batch(step), rank, ws))
+        loss = model(*(t.to(device) for t in local(global_batch(step), rank, ws)))
         loss.backward()
         opt.step()
         opt.zero_grad()

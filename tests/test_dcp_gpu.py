@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 import pynccl
 from pynccl import zero
 from pynccl.testing import run_multiprocess
-from test_dcp import assert_equal_nested, get_sd, load, whole
-from test_zero import LR, STEPS, global_batch, local, make_net
+from test_dcp import assert_equal_nested, get_sd, load, run_steps, whole
+from test_zero import LR, STEPS, make_net
 
 SAVED_AT = 2
 FULL = StateDictOptions(full_state_dict=True)
@@ -44,19 +44,6 @@ def _zero(stage):
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
-def _steps(model, opt, steps, rank, ws, device):
-    losses = []
-    for step in steps:
-        loss = model(*(t.to(device) for t in local(global_batch(step), rank, ws)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().reshape(1).clone()
-        pynccl.all_reduce(total)
-        losses.append(total.item() / ws)
-    return losses
-
-
 def _interop(rank, ws, root):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -64,15 +51,15 @@ def _interop(rank, ws, root):
     torch.cuda.set_device(device)
     # pynccl ZeRO-3 -> DCP -> FSDP2
     model, opt = _zero(3)
-    _steps(model, opt, range(SAVED_AT), rank, ws, device)
+    run_steps(model, opt, range(SAVED_AT), rank, ws, device)
     assert model.state_dict()["emb.weight"].to_local().is_cuda
     dcp.save(get_sd(model, opt), checkpoint_id=os.path.join(root, "zero3"))
     saved = whole(get_sd(model, opt, FULL))
     net, net_opt = _fsdp2(device)
     load(net, net_opt, os.path.join(root, "zero3"))
     assert_equal_nested(whole(get_sd(net, net_opt, FULL)), saved, "zero3 -> FSDP2")
-    ours = _steps(model, opt, range(SAVED_AT, STEPS), rank, ws, device)
-    theirs = _steps(net, net_opt, range(SAVED_AT, STEPS), rank, ws, device)
+    ours = run_steps(model, opt, range(SAVED_AT, STEPS), rank, ws, device)
+    theirs = run_steps(net, net_opt, range(SAVED_AT, STEPS), rank, ws, device)
     torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours), rtol=0, atol=LOSS_TOL,
                                msg=lambda m: f"FSDP2 resumed {theirs} vs ZeRO-3 {ours}: {m}")
     # FSDP2 -> DCP -> pynccl ZeRO-3 and ZeRO-1

@@ -35,6 +35,7 @@ from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, 
                    gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                    scatter_to_tensor_parallel_region)
+from .._lazy import lazy_exports
 from . import plans
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, VocabParallelEmbedding,
@@ -52,16 +53,7 @@ from .transformer import ParallelCausalSelfAttention, ParallelMLP, ParallelTrans
 _DCP_NAMES = ("sharded_state_dict", "load_sharded_state_dict", "sharded_optim_state_dict",
               "load_sharded_optim_state_dict")
 
-
-def __getattr__(name):
-    if name in _DCP_NAMES:
-        from . import dcp
-        return getattr(dcp, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_DCP_NAMES))
+__getattr__, __dir__ = lazy_exports(__name__, "dcp", _DCP_NAMES, globals())
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLayerNorm",

@@ -20,6 +20,7 @@ Files, one responsibility each:
   memory.py          bytes held in params/grads/optimizer state
   fsdp.py            FullyShardedDataParallel
 """
+from .._lazy import lazy_exports
 from .clip import clip_grad_norm_
 from .fsdp import FullyShardedDataParallel
 from .hf_save import save_pretrained
@@ -30,16 +31,7 @@ from .mixed_precision import MixedPrecision
 _DCP_NAMES = ("get_model_state_dict", "get_optimizer_state_dict", "get_state_dict", "set_model_state_dict",
               "set_optimizer_state_dict", "set_state_dict")
 
-
-def __getattr__(name):
-    if name in _DCP_NAMES:
-        from . import dcp
-        return getattr(dcp, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_DCP_NAMES))
+__getattr__, __dir__ = lazy_exports(__name__, "dcp", _DCP_NAMES, globals())
 
 __all__ = ["FullyShardedDataParallel", "MixedPrecision", "FlatLayout", "clip_grad_norm_", "get_model_state_dict",
            "get_optimizer_state_dict", "get_state_dict", "set_model_state_dict", "set_optimizer_state_dict",
