@@ -211,6 +211,9 @@ def _options_and_errors(rank, ws):
     full, full_optim = model.full_state_dict(), model.full_optim_state_dict(opt)
     assert_equal_nested(zero.get_model_state_dict(model, options=FULL), full, "full_state_dict=True")
     assert_equal_nested(whole(model.state_dict()), full, "sharded state dict made whole")
+    offloaded = zero.get_model_state_dict(model, options=StateDictOptions(cpu_offload=True))
+    assert all(v.to_local().device.type == "cpu" for v in offloaded.values() if isinstance(v, DTensor))
+    assert_equal_nested(whole(offloaded), full, "cpu_offload=True")
     rank0 = zero.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     assert (rank0 == {}) == (rank != 0)
     named = zero.get_optimizer_state_dict(model, opt, options=FULL)       # keyed by name, as torch's

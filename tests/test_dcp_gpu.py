@@ -53,6 +53,8 @@ def _interop(rank, ws, root):
     model, opt = _zero(3)
     run_steps(model, opt, range(SAVED_AT), rank, ws, device)
     assert model.state_dict()["emb.weight"].to_local().is_cuda
+    offloaded = zero.get_model_state_dict(model, options=StateDictOptions(cpu_offload=True))
+    assert offloaded["emb.weight"].to_local().device.type == "cpu", "cpu_offload keeps DTensors, on CPU"
     dcp.save(get_sd(model, opt), checkpoint_id=os.path.join(root, "zero3"))
     saved = whole(get_sd(model, opt, FULL))
     net, net_opt = _fsdp2(device)

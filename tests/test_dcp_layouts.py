@@ -97,7 +97,7 @@ def _zero3(rank, ws, root):
     def counting_gather(*args):
         # NOTE: gloo's worker thread may still hold the last collective's output for a moment after
         # it completed (torch keeps the Python tensor alive meanwhile): wait for that, not longer.
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + 5.0
         while live and time.monotonic() < deadline:
             time.sleep(0.005)
         flat = real_gather(*args)

@@ -113,10 +113,9 @@ def get_model_state_dict(model, *, submodules=None, options: Optional[StateDictO
 
 
 def _to_cpu(v):
-    if isinstance(v, DTensor):
-        return DTensor.from_local(v.to_local().cpu(), v.device_mesh, v.placements, run_check=False,
-                                  shape=v.shape, stride=v.stride())
-    return v.cpu() if isinstance(v, torch.Tensor) else v
+    # As torch's cpu_offload: a DTensor keeps its mesh, its local tensor moves (DTensor.to does that;
+    # DTensor.from_local would move it back to the mesh's device).
+    return v.to("cpu") if isinstance(v, torch.Tensor) else v
 
 
 def set_model_state_dict(model, model_state_dict: dict, *, options: Optional[StateDictOptions] = None):
