@@ -4,7 +4,7 @@ vocabulary-parallel cross-entropy, the RNG tracker for dropout, and a GPT-2-styl
 Also by plan on an unmodified model (plan.py, styles.py, loss_parallel.py, plans.py:
 parallelize_module with ColwiseParallel, RowwiseParallel, SequenceParallel, ... as
 torch.distributed.tensor.parallel, Hugging Face [b, s, h] layout) and a full state dict back
-from it (state_dict.py).
+from it (state_dict.py), or sharded as DTensors for torch.distributed.checkpoint (dcp.py).
 
 Conventions
 * Layout [s, b, h], sequence first (as Megatron): sequence parallelism splits dim 0, so each
@@ -35,6 +35,7 @@ from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, 
                    gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                    scatter_to_tensor_parallel_region)
+from .._lazy import lazy_exports
 from . import plans
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, VocabParallelEmbedding,
@@ -48,6 +49,12 @@ from .random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_cuda_rng_tracker,
 from .state_dict import unshard_tensor, unsharded_state_dict
 from .transformer import ParallelCausalSelfAttention, ParallelMLP, ParallelTransformerBlock
 
+# dcp.py needs torch.distributed.checkpoint and DTensor (seconds to import): loaded on first use.
+_DCP_NAMES = ("sharded_state_dict", "load_sharded_state_dict", "sharded_optim_state_dict",
+              "load_sharded_optim_state_dict")
+
+__getattr__, __dir__ = lazy_exports(__name__, "dcp", _DCP_NAMES, globals())
+
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLayerNorm",
     "ParallelMLP", "ParallelCausalSelfAttention", "ParallelTransformerBlock",
@@ -60,4 +67,5 @@ __all__ = [
     "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "LocalHeads", "LossParallel", "Shard", "Replicate", "plans",
     "shard_specs", "vocab_parallel_causal_lm_loss", "unsharded_state_dict", "unshard_tensor",
+    "sharded_state_dict", "load_sharded_state_dict", "sharded_optim_state_dict", "load_sharded_optim_state_dict",
 ]

@@ -11,13 +11,28 @@ Files, one responsibility each:
   mixed_precision.py MixedPrecision policy
   clip.py            global-norm gradient clipping that knows which tensors are shards
   state_dict.py      full (consolidated) model/optimizer state dicts, load at any size/stage
+  row_exchange.py    rows between ZeRO's flat layout and torch.chunk's Shard(0) chunks (all_to_all)
+  sharded_state.py   sharded state dicts as DTensors (FSDP2's form) and back
+  dcp.py             torch.distributed.checkpoint entry points (get_/set_*_state_dict)
+  state_dict_type.py FSDP1's set_state_dict_type / state_dict_type: what model.state_dict() returns
+  hf_save.py         save_pretrained of a sharded Hugging Face model, gathered unit by unit
   checkpoint.py      crash-safe sharded save/load, resharding
   memory.py          bytes held in params/grads/optimizer state
   fsdp.py            FullyShardedDataParallel
 """
+from .._lazy import lazy_exports
 from .clip import clip_grad_norm_
 from .fsdp import FullyShardedDataParallel
+from .hf_save import save_pretrained
 from .layout import FlatLayout
 from .mixed_precision import MixedPrecision
 
-__all__ = ["FullyShardedDataParallel", "MixedPrecision", "FlatLayout", "clip_grad_norm_"]
+# torch.distributed.checkpoint and DTensor take seconds to import: dcp.py loads on first use.
+_DCP_NAMES = ("get_model_state_dict", "get_optimizer_state_dict", "get_state_dict", "set_model_state_dict",
+              "set_optimizer_state_dict", "set_state_dict")
+
+__getattr__, __dir__ = lazy_exports(__name__, "dcp", _DCP_NAMES, globals())
+
+__all__ = ["FullyShardedDataParallel", "MixedPrecision", "FlatLayout", "clip_grad_norm_", "get_model_state_dict",
+           "get_optimizer_state_dict", "get_state_dict", "set_model_state_dict", "set_optimizer_state_dict",
+           "set_state_dict", "save_pretrained"]

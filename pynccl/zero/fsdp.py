@@ -19,8 +19,8 @@ What users see:
   * Inside forward the module reads full tensors (gathered, compute dtype) under the same
     attribute names, so its code runs unchanged; its buffers stay as they are.
     requires_grad=False parameters are kept whole on every rank (not sharded).
-    `model.module.state_dict()` holds the row shards; `model.state_dict()` /
-    `full_state_dict()` the full tensors.
+    `model.module.state_dict()` holds the row shards; `model.state_dict()` DTensors (FSDP2's
+    form, for torch.distributed.checkpoint: dcp.py), `full_state_dict()` the full tensors.
   * Stages 1/2 all-gather the updated shards at the first forward after a backward that
     reduced gradients, after any torch.optim step of an optimizer holding these parameters,
     and after a load (stage12.py); never by watching version counters, which fused optimizers
@@ -47,6 +47,7 @@ from ..comm.coalesced import MiB, broadcast_from_rank0
 from ..comm.distributed import ProcessGroup
 from ..comm.groups import resolve_group
 from . import checkpoint, clip
+from . import state_dict_type as _sd_type
 from . import state_dict as _state_dict
 from .memory import held_bytes
 from .mixed_precision import MixedPrecision, cast_inputs, check_policy
@@ -171,17 +172,26 @@ class FullyShardedDataParallel(nn.Module):
         checkpoint.load_sharded(self, path, optimizer)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The full state dict (collective), like torch FSDP's default FULL_STATE_DICT."""
-        full = self.full_state_dict()
+        """Collective. By default sharded, as FSDP2's: {original name: DTensor Shard(0)} for
+        torch.distributed.checkpoint (dcp.py); full CPU tensors after
+        set_state_dict_type(model, StateDictType.FULL_STATE_DICT) (torch FSDP1's default)."""
+        sd = _sd_type.module_state_dict(self)
         if destination is None:
-            return type(full)((prefix + k, v) for k, v in full.items())
-        for k, v in full.items():
+            return type(sd)((prefix + k, v) for k, v in sd.items())
+        for k, v in sd.items():
             destination[prefix + k] = v
         return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        self.load_full_state_dict(state_dict, strict=strict)
-        return torch.nn.modules.module._IncompatibleKeys([], [])
+        """Full tensors (any plain or consolidated state dict) or DTensors (state_dict()'s, FSDP2's,
+        filled by dcp.load at any world size or stage). Collective when sharded."""
+        return _state_dict.load_model_state_dict(self, state_dict, strict)
+
+    # torch FSDP1's state-dict API (static, as there): state_dict_type.py
+    set_state_dict_type = staticmethod(_sd_type.set_state_dict_type)
+    state_dict_type = staticmethod(_sd_type.state_dict_type)
+    optim_state_dict = staticmethod(_sd_type.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(_sd_type.optim_state_dict_to_load)
 
     # ------------------------------------------------------------------ introspection
     def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:

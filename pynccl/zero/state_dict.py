@@ -1,4 +1,5 @@
-"""Full (consolidated) state dicts of a sharded model and its optimizer, and loading them back.
+"""Full (consolidated) state dicts of a sharded model and its optimizer, and loading them back
+(full tensors, or the DTensors of sharded_state.py / dcp.py).
 
 The full forms are exactly what an unwrapped model and a plain torch optimizer produce:
 model keys are the original parameter/buffer names (tied parameters under every name);
@@ -18,7 +19,10 @@ import copy
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
+import sys
+
 import torch
+from torch.nn.modules.module import _IncompatibleKeys
 
 from ..comm import distributed as dist
 from .layout import FlatLayout
@@ -82,11 +86,17 @@ def param_index_of(entry) -> int:
 
 
 def full_state_dict(model, rank0_only: bool = False) -> dict:
+    # NOTE: one unit's full flat buffer at a time on the device; with rank0_only the other ranks
+    # drop each unit's CPU copy at once, so no rank but rank 0 ever holds the whole model.
+    keep = not rank0_only or dist.get_rank(model.process_group) == 0
     params = {}
     for unit in model.units:                           # NOTE: collective, same unit order on every rank
         unit.check_params()
-        params.update(split_flat(unit.layout, _gather_flat(model, unit, unit.shard)))
-    if rank0_only and model.process_group.rank != 0:
+        flat = _gather_flat(model, unit, unit.shard)
+        if keep:
+            params.update(split_flat(unit.layout, flat))
+        del flat
+    if not keep:
         return OrderedDict()
     buffers = {name: _cpu_clone(b) for name, b in named_buffers_all(model.module)}
     return model_state(model._param_infos, params, buffers)
@@ -106,6 +116,7 @@ def _per_element_keys(unit, states: Dict[int, dict]) -> List[str]:
 
 
 def full_optim_state_dict(model, optimizer, rank0_only: bool = False) -> dict:
+    keep = not rank0_only or dist.get_rank(model.process_group) == 0   # as full_state_dict
     per_group = optimizer_params(model, optimizer)
     entries = [e for row in per_group for e in row]
     state: Dict[int, dict] = {}
@@ -124,11 +135,13 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = False) -> dict:
             for view, v in zip(unit.layout.local_views(unit.rank, shard), local):
                 if v is not None:
                     view.copy_(v)
-            full = split_flat(unit.layout, _gather_flat(model, unit, shard))
-            for i in states:
+            flat = _gather_flat(model, unit, shard)     # NOTE: collective: on every rank, kept or not
+            full = split_flat(unit.layout, flat) if keep else {}
+            del flat, shard
+            for i in states if keep else ():
                 index = unit.layout.slots[i].param_index
                 state[index][key] = full[index]
-    if rank0_only and model.process_group.rank != 0:
+    if not keep:
         return {}
     groups = [{**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
                "params": [param_index_of(e) for e in row]} for g, row in zip(optimizer.param_groups, per_group)]
@@ -136,14 +149,35 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = False) -> dict:
 
 
 # ---------------------------------------------------------------------- loading
-def _load_model(model, state_dict: dict, strict: bool) -> None:
+def is_dtensor(v) -> bool:
+    """v is a torch DTensor (no DTensor exists unless torch.distributed.tensor was imported, which
+    costs seconds: pynccl imports it only once DTensors are in play, see sharded_state.py)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(v, module.DTensor)
+
+
+def _whole(v):
+    if is_dtensor(v):
+        from .sharded_state import whole_of
+        return whole_of(v)
+    return v
+
+
+class StateDictKeyError(KeyError, RuntimeError):
+    """Missing or unexpected keys under strict loading: a RuntimeError as torch's load_state_dict raises."""
+
+
+def load_model_state_dict(model, state_dict: dict, strict: bool = True):
+    """Load full tensors (a consolidated or plain-model state dict) or DTensors (sharded_state.py:
+    ours, FSDP2's, DCP-loaded at any world size); each rank keeps its rows. Collective when any
+    value is a DTensor. Returns torch's _IncompatibleKeys(missing, unexpected)."""
     infos = model._param_infos
     buffers = dict(named_buffers_all(model.module))
     expected = {n for i in infos for n in i.names} | set(buffers)
     missing = sorted(expected - set(state_dict))
     unexpected = sorted(set(state_dict) - expected)
     if strict and (missing or unexpected):
-        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        raise StateDictKeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
 
     def lookup(info):
         for n in info.names:
@@ -156,29 +190,41 @@ def _load_model(model, state_dict: dict, strict: bool) -> None:
         return None
 
     by_index = {i.index: i for i in infos}
-    rank = model.process_group.rank
+    group = model.process_group
+    rank = dist.get_rank(group)
     with torch.no_grad():
-        for unit in model.units:
+        for unit in model.units:                       # NOTE: collective (DTensors), same order everywhere
             found = [lookup(by_index[s.param_index]) for s in unit.layout.slots]
             if any(t is None for t in found):
                 continue                               # non-strict and missing: keep current values
             unit.check_params()
-            unit.layout.shard_from_params(rank, found, unit.shard)
+            if not any(is_dtensor(t) for t in found):
+                unit.layout.shard_from_params(rank, found, unit.shard)
+                continue
+            from .sharded_state import chunk_of, chunks_to_unit
+            chunks = {i: chunk_of(t, s.shape, group, f"'{s.name}'")
+                      for i, (t, s) in enumerate(zip(found, unit.layout.slots))}
+            views = unit.layout.local_views(rank, unit.shard)
+            for i, rows in chunks_to_unit(unit, chunks, unit.master_dtype).items():
+                views[i].copy_(rows)
         for info in infos:
             t = lookup(info) if info.frozen_master is not None else None
             if t is not None:
-                info.frozen_master.copy_(t)
+                info.frozen_master.copy_(_whole(t))
                 dtype = model.policy.param_dtype
                 install(info, info.frozen_master.to(dtype) if dtype is not None and t.is_floating_point()
                         else info.frozen_master)
         for name, buf in buffers.items():
             if name in state_dict:
-                buf.copy_(state_dict[name])
+                buf.copy_(_whole(state_dict[name]))
     model._runtime.mark_stale()
+    return _IncompatibleKeys(missing, unexpected)
 
 
-def _load_optim(model, osd: dict, optimizer) -> None:
-    """Positional, as torch.optim.Optimizer.load_state_dict: the i-th parameter of the saved
+def local_optim_state_dict(model, osd: dict, optimizer) -> dict:
+    """A full torch.optim state dict (positional ids of the original module.parameters()) cut to
+    this rank's rows, positional as this `optimizer`: what optimizer.load_state_dict takes.
+    Positional, as torch.optim.Optimizer.load_state_dict: the i-th parameter of the saved
     group g is the i-th parameter of this optimizer's group g (same recipe, same order)."""
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         raise TypeError("load_full_state_dict: optim_state_dict must be a torch.optim state dict "
@@ -190,7 +236,7 @@ def _load_optim(model, osd: dict, optimizer) -> None:
                          f"{[len(g['params']) for g in saved_groups]} parameters, this optimizer "
                          f"{[len(row) for row in per_group]}; build it with the same param groups")
     saved_state = {int(k): v for k, v in osd["state"].items()}
-    rank = model.process_group.rank
+    rank = dist.get_rank(model.process_group)
     new_state, new_groups, pos = {}, [], 0
     for saved, row in zip(saved_groups, per_group):
         positions = []
@@ -206,7 +252,7 @@ def _load_optim(model, osd: dict, optimizer) -> None:
             positions.append(pos)
             pos += 1
         new_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": positions})
-    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+    return {"state": new_state, "param_groups": new_groups}
 
 
 def load_full_state_dict(model, state_dict: Optional[dict], optim_state_dict: Optional[dict], optimizer,
@@ -216,6 +262,6 @@ def load_full_state_dict(model, state_dict: Optional[dict], optim_state_dict: Op
     if optim_state_dict is not None and optimizer is None:
         raise ValueError("load_full_state_dict: optim_state_dict needs the optimizer to load it into")
     if state_dict is not None:
-        _load_model(model, state_dict, strict)
+        load_model_state_dict(model, state_dict, strict)
     if optim_state_dict is not None:
-        _load_optim(model, optim_state_dict, optimizer)
+        optimizer.load_state_dict(local_optim_state_dict(model, optim_state_dict, optimizer))
