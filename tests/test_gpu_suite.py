@@ -91,7 +91,6 @@ def test_group_names_and_steps_are_stable():
         assert name in groups, name
     names = [s for steps in groups.values() for s, _, _ in steps]
     assert len(names) == len(set(names)), "two steps would write the same log"
-    assert "ddp_bench.py --model hf-gpt2-medium" in groups["ddp"][1][2] and '--skip "no DDP + graph"' in groups["ddp"][1][2]
 
 
 def test_every_script_and_test_path_exists():
