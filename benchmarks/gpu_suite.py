@@ -115,7 +115,8 @@ def groups(n):
                    ("zero12_plain", 200, "PYNCCL_ZERO_SYMMETRIC=0 " + _torchrun(
                        n, "benchmarks/train_bench.py", f"{L1B} --batch 4 --strategy zero1,zero2 --warmup 3 --steps 10 "
                        "--repeats 2 --json {out}/zero12_plain.json"))],
-        "zero3": [_train(n, "zero3", f"{L1B} --batch 4 --strategy zero3 --warmup 3 --steps 10 --repeats 2")],
+        "zero3": [("zero3_llama", 200, _torchrun(n, "benchmarks/train_bench.py", f"{L1B} --batch 4 --strategy zero3 "
+                                                 "--warmup 3 --steps 10 --repeats 2 --json {out}/zero3.json"))],
         "zero_gpt2": [_train(n, "gpt2m_zero", f"{GPT2M} --batch 8 --strategy zero1,zero2,zero3 --warmup 3 --steps 12 "
                                               "--repeats 2", cap=240)],
         "zeromem": [("zero_memory", 150, _torchrun(n, "benchmarks/zero_memory.py", "--device cuda")),
