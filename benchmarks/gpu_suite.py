@@ -2,11 +2,15 @@
 within one overall budget, its log kept and its table lines printed (RESULTS-ready).
 
     python benchmarks/gpu_suite.py --gpus 2 --budget 540 --out OUT contention ddp zero12
-    python benchmarks/gpu_suite.py --list
+    python benchmarks/gpu_suite.py --list                 # every group, its steps and caps
 
 Each command runs as its own process (torchrun for multi-GPU ones) with NCCL_NVLS_ENABLE=0, so a
 crash or hang in one is contained: it is killed at its cap and the suite goes on. A group's
-commands are skipped once less than 30 s of the budget is left. Everything fits an 80 GB H100.
+commands are skipped once less than 30 s of the budget is left. Everything fits an 80 GB H100
+(ddp_bench's GPT-2 medium runs without its CUDA-graph modes). Groups are sized by --gpus: the
+multi-GPU steps use GPUs 0..N-1; steps that need more (tp2xdp2 needs 4) are left out.
+benchmarks/RESULTS.md names the group behind each figure; tests/test_gpu_suite.py checks on CPU
+that every script and flag named here exists.
 """
 import argparse
 import os
@@ -19,47 +23,129 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# ~1B Llama (HF config, random init): what the issues' ZeRO targets name.
+# ~1B Llama (HF config, random init): what the issues' ZeRO targets name; a 3B one for TP scaling.
 L1B = "--model hf-llama --hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 32000 --seq 2048"
+L3B = "--model hf-llama --hidden 3072 --layers 28 --heads 24 --kv-heads 8 --intermediate 8192 --vocab 32000 --seq 2048"
 GPT2M = "--model hf-gpt2 --hidden 1024 --layers 24 --heads 16 --vocab 50257 --seq 1024"
 NOGRAPH = '--skip "no DDP + graph" "pynccl DDP + graph"'
+TESTS = "python3 -m pytest -q -rA -p no:cacheprovider"
 SUMMARY = re.compile(r"^(# |strategy|zero|pp-|ddp|tp|mode|no DDP|torch DDP|pynccl DDP|\s*\d+(\.\d+)? |FAILED|ERROR|"
-                     r"[=]+ .*(passed|failed))|passed|failed|Error")
+                     r"XFAIL|\{|[=]+ .*(passed|failed))|passed|failed|Error")
+# Names that run several groups in order (the old run_train_bench.sh session).
+ALIASES = {"train": ["zero_gpt2", "zero3", "tp", "pp", "ddp_llama", "tp3b", "train_summary"]}
 
 
 def _torchrun(n, script, args):
     return f"torchrun --nproc_per_node {n} --master_port {{port}} {script} {args}"
 
 
+def _train(n, name, args, cap=200):
+    """A train_bench step: pynccl against its torch counterpart, JSON kept for train_summary."""
+    return (name, cap, _torchrun(n, "benchmarks/train_bench.py", f"{args} --json {{out}}/{name}.json"))
+
+
+def _devices(n):
+    return ",".join(str(i) for i in range(n))
+
+
+def _sweep(n, name, args, cap):
+    """The nccl-tests-style sweep, pynccl and torch.distributed in the same processes."""
+    spawn = f" --nproc {n}" if n > 1 else ""
+    iters = "-n 50 -w 5" if n == 1 else "-n 20 -w 5"   # world size 1: µs per op even at 1 GiB
+    return (name, cap, f"python3 -m pynccl.bench all -b 8 -f 2 {iters} --impl both --reps 3{spawn} {args} "
+                       f"-J {{out}}/{name}_{{{{op}}}}.json")
+
+
 def groups(n):
     """name -> [(step name, cap seconds, shell command)]; {port} and {out} are filled in per step."""
-    tests = "python3 -m pytest -q -p no:cacheprovider -m 'gpu or multigpu'"
+    tests = f"{TESTS} -m 'gpu or multigpu'"
+    multigpu = [(f"multigpu{n}", 540, f"CUDA_VISIBLE_DEVICES={_devices(n)} {TESTS} -m multigpu tests")]
+    if n > 2:
+        multigpu.append(("multigpu2", 420, f"CUDA_VISIBLE_DEVICES=0,1 {TESTS} -m multigpu tests"))
+    tp, pp = min(2, n), max(1, n // 2)
     return {
         "versions": [("versions", 60, "python3 -c \"import torch, pynccl, transformers; print('torch', torch.__version__, "
                                       "'pynccl NCCL', pynccl.nccl_version(), 'transformers', transformers.__version__)\"; "
                                       "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv")],
+        "build": [("build", 420, "TORCH_CUDA_ARCH_LIST=${{TORCH_CUDA_ARCH_LIST:-9.0}} MAX_JOBS=${{MAX_JOBS:-32}} "
+                                 "python3 setup.py build_ext --inplace")],
+        # Tests. gputests: everything at N GPUs; gpu1 / multigpu: the markers apart (multigpu at N and at 2).
         "tests26": [("tests26", 240, f"{tests} tests/test_symmetric.py tests/test_reduce_op.py")],
+        "gputests": [("gpu_tests", 420, f"{tests} tests")],
+        "gpu1": [("gpu1", 300, f"CUDA_VISIBLE_DEVICES=0 {TESTS} -m gpu tests")],
+        "multigpu": multigpu,
+        "interop": [("interop", 240, f"{tests} tests/test_interop.py")],
+        "tpplan": [("tp_plan_tests", 300, f"{TESTS} -m multigpu tests/test_tp_plan_gpu.py")],
+        "zerotests": [("zero_tests", 200, f"{tests} tests/test_zero_gpu.py")],
+        "ppgraphtests": [("pp_graph_tests", 200, f"{tests} tests/test_pipeline_graphs_gpu.py")],
+        # Faults: every NCCL wait bounded (N ranks, 10 s group timeout), the one-GPU time-out tests.
+        "faults": [("faults", 420, f"FAULT_WORLD_SIZE={n} FAULT_TIMES_FILE={{out}}/fault_times.jsonl "
+                                   f"{TESTS} tests/test_faults_gpu.py; rc=$?; cat {{out}}/fault_times.jsonl; exit $rc"),
+                   ("timeouts1", 300, f"CUDA_VISIBLE_DEVICES=0 {TESTS} tests/test_nccl_timeouts_lifecycle.py "
+                                      "-k 'timeout or abort or destroy or self_recv or split'")],
+        # Host time per call at world size 1, and the cost of PYNCCL_CHECK_COLLECTIVES on NCCL.
+        "host": [("host_overhead", 200, "CUDA_VISIBLE_DEVICES=0 python3 benchmarks/host_overhead.py "
+                                        "--json {out}/host_overhead.json"),
+                 ("check_cost", 120, f"python3 benchmarks/collective_check_cost.py --backend nccl --nproc {n} --iters 2000")],
+        # Collectives, pynccl vs torch.distributed, 8 B - 1 GiB: eager, CUDA graph, host time per enqueue.
+        "collectives": [_sweep(n, "eager", "-e 1G", 300), _sweep(n, "graph", "-e 1G -G 1", 240),
+                        _sweep(n, "cputime", "-e 64M -C 1", 150),
+                        ("targets", 60, "python3 benchmarks/check_targets.py {out}/eager_*.json {out}/graph_*.json")],
         "contention": [("sm_contention", 150, _torchrun(n, "benchmarks/sm_contention.py", "--mib 25 100"))],
+        # DDP over the no-DDP floor against torch DDP's, with the levers each in its own window.
         "ddp": [("ddp_nano", 240, _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m --steps 8 --repeats 2 "
                                             "--warmup 3 --no-diagnostics --levers comm-default comm-symmetric "
                                             "comm-copy-engine max-ctas-4 grad-view --json {out}/ddp_nano.json")),
                 ("ddp_medium", 240, _torchrun(n, "benchmarks/ddp_bench.py", f"--model hf-gpt2-medium --steps 5 "
                                               f"--repeats 2 --warmup 2 --no-diagnostics {NOGRAPH} --levers comm-default "
                                               f"comm-copy-engine --json {{out}}/ddp_medium.json"))],
-        "zero12": [("zero12_sym", 200, _torchrun(n, "benchmarks/train_bench.py", f"{L1B} --batch 4 --strategy zero1,zero2 "
-                                                 "--warmup 3 --steps 10 --repeats 2 --json {out}/zero12_sym.json")),
+        # DDP: GPU phases, the host-bound step (buckets through C++ vs Python), stream priority, every lever.
+        "ddp_more": [("ddp_phases", 200, _torchrun(n, "benchmarks/ddp_bench.py", "--steps 6 --repeats 3 --phases 10 "
+                                                   "--grad-view both --json {out}/ddp_phases.json")),
+                     ("ddp_host", 150, _torchrun(n, "benchmarks/ddp_bench.py", f"--batch 1 --seq 128 --compare-py-path "
+                                                 f"--repeats 5 --no-diagnostics {NOGRAPH} --json {{out}}/ddp_host.json")),
+                     ("ddp_prio", 150, _torchrun(n, "benchmarks/ddp_bench.py", "--compare-priority --repeats 4 "
+                                                 "--no-diagnostics --json {out}/ddp_prio.json")),
+                     ("ddp_levers", 200, _torchrun(n, "benchmarks/ddp_bench.py", "--steps 6 --repeats 3 --warmup 3 "
+                                                   "--no-diagnostics --levers all --budget-s 120 "
+                                                   "--json {out}/ddp_levers.json"))],
+        "ddp_llama": [_train(n, "llama1b_ddp", f"{L1B} --batch 4 --strategy ddp --warmup 3 --steps 12")],
+        # ZeRO against FSDP2 (bf16 params, fp32 reduce, fused AdamW on both sides), memory against the formula.
+        "zero12": [_train(n, "zero12_sym", f"{L1B} --batch 4 --strategy zero1,zero2 --warmup 3 --steps 10 --repeats 2"),
                    ("zero12_plain", 200, "PYNCCL_ZERO_SYMMETRIC=0 " + _torchrun(
                        n, "benchmarks/train_bench.py", f"{L1B} --batch 4 --strategy zero1,zero2 --warmup 3 --steps 10 "
                        "--repeats 2 --json {out}/zero12_plain.json"))],
         "zero3": [("zero3_llama", 200, _torchrun(n, "benchmarks/train_bench.py", f"{L1B} --batch 4 --strategy zero3 "
                                                  "--warmup 3 --steps 10 --repeats 2 --json {out}/zero3.json"))],
-        "gputests": [("gpu_tests", 420, f"{tests} tests")],
+        "zero_gpt2": [_train(n, "gpt2m_zero", f"{GPT2M} --batch 8 --strategy zero1,zero2,zero3 --warmup 3 --steps 12 "
+                                              "--repeats 2", cap=240)],
+        "zeromem": [("zero_memory", 150, _torchrun(n, "benchmarks/zero_memory.py", "--device cuda")),
+                    ("zero_memory1", 120, "CUDA_VISIBLE_DEVICES=0 python3 benchmarks/zero_memory.py --device cuda"),
+                    ("zero_bench", 150, _torchrun(n, "benchmarks/zero_bench.py", "--json {out}/zero_bench.json"))],
+        # Tensor parallelism (tp = N) against DTensor TP; one block alone; TP + ZeRO-3 on a 2-D mesh.
+        "tp": [_train(n, "llama1b_tp", f"{L1B} --batch 4 --strategy tp,tp-sp --warmup 3 --steps 12"),
+               ("tp_block", 120, _torchrun(n, "benchmarks/tp_bench.py", "--json {out}/tp_block.json"))]
+        + ([_train(n, "llama1b_tp2xdp2", f"{L1B} --batch 4 --strategy tp2xdp2 --warmup 3 --steps 12")] if n >= 4 else []),
+        "tp3b": ([_train(n, "llama3b_tp", f"{L3B} --batch 1 --strategy tp --warmup 3 --steps 12")] if n > 1 else [])
+        + [_train(1, "llama3b_tp1", f"{L3B} --batch 1 --strategy tp --warmup 3 --steps 12")],
+        # Pipelines (pp = N) against torch.distributed.pipelining; the matmul-stage bubble; a stage's host cost.
+        "pp": [_train(n, "llama1b_pp", f"{L1B} --batch 8 --microbatches 8 --strategy pp-1f1b-graphs,pp-gpipe-graphs,"
+                                       "pp-1f1b,pp-gpipe,pp-interleaved --warmup 3 --steps 10 --repeats 2", cap=360),
+               ("pp_bubble", 120, f"python3 benchmarks/pp_bench.py --backend nccl --nproc {n} --json {{out}}/pp_bubble.json"),
+               ("pp_stage_cost", 120, "CUDA_VISIBLE_DEVICES=0 python3 benchmarks/pp_stage_cost.py")],
+        "train_summary": [("train_summary", 60, "python3 benchmarks/train_bench_summary.py {out}")],
+        # The examples on NCCL: a stock DDP script, the 3-D GPT (tp 2 x pp N/2, ZeRO-3, SP).
+        "examples": [("train_ddp", 120, _torchrun(n, "examples/train_ddp.py", "--epochs 2")),
+                     ("train_gpt", 120, _torchrun(n, "examples/train_gpt.py", "--steps 200 --no-progress --log-every 50")),
+                     ("train_gpt_3d", 180, _torchrun(n, "examples/train_gpt.py", f"--tp {tp} --pp {pp} --zero 3 "
+                                                     "--sequence-parallel --layers 8 --hidden 512 --heads 8 --seq-len 256 "
+                                                     "--batch-size 32 --steps 100 --no-progress --log-every 50"))],
     }
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("groups", nargs="*", help="groups to run, in order")
+    p.add_argument("groups", nargs="*", help="groups to run, in order (or an alias: " + ", ".join(ALIASES) + ")")
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--budget", type=float, default=540, help="seconds for everything")
     p.add_argument("--out", default="benchmarks/results/gpu_suite", help="logs and JSON go here")
@@ -69,15 +155,18 @@ def main():
     if args.list or not args.groups:
         for name, steps in table.items():
             print(f"{name}: " + "; ".join(f"{s} ({cap} s)" for s, cap, _ in steps))
+        for name, members in ALIASES.items():
+            print(f"{name} = " + " ".join(members))
         return
-    unknown = [g for g in args.groups if g not in table]
+    names = [m for g in args.groups for m in ALIASES.get(g, [g])]
+    unknown = [g for g in names if g not in table]
     if unknown:
         sys.exit(f"gpu_suite: unknown group(s) {unknown}; --list shows them")
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t0, port = time.monotonic(), 29600
-    for g in args.groups:
+    t0, port, failed = time.monotonic(), 29600, []
+    for g in names:
         for name, cap, cmd in table[g]:
             left = args.budget - (time.monotonic() - t0)
             if left < 30:
@@ -96,11 +185,14 @@ def main():
                     os.killpg(proc.pid, signal.SIGKILL)     # torchrun and every rank it started
                     proc.wait()
                     rc = "timeout"
+            if rc != 0:
+                failed.append(name)
             print(f"=== {name} rc={rc} {time.monotonic() - start:.0f} s (cap {min(cap, left):.0f}): {cmd}", flush=True)
             with open(log) as f:
                 lines = [ln.rstrip() for ln in f if SUMMARY.search(ln) and not ln.startswith("# [")]
             print("\n".join(lines[-60:]), flush=True)
-    print(f"=== total {time.monotonic() - t0:.0f} s")
+    print(f"=== total {time.monotonic() - t0:.0f} s; failed or timed out: {' '.join(failed) or 'none'}")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

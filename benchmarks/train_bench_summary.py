@@ -1,4 +1,4 @@
-"""One table from every train_bench JSON in a directory (what run_train_bench.sh leaves), and the
+"""One table from every train_bench JSON in a directory (what gpu_suite.py's train groups leave), and the
 verdict: exit 1 if a row failed, or if a pair's losses after the last step differ by more than
 --loss-rtol (bf16 noise after a few steps is well under 1 %; a pair that does not train alike is
 far over).
