@@ -57,10 +57,13 @@ def max_rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
-def sgd_atol(lr: float, steps: int, grad_atol: float, momentum: float = 0.0) -> float:
+def sgd_atol(lr: float, steps: int, grad_atol: float, momentum: float = 0.0, nesterov: bool = False) -> float:
     """Parameters of two SGD runs whose gradients agree to grad_atol at every step: step t applies
-    lr·Σ_{s≤t} μ^(t-s)·g_s (torch's momentum buffer, dampening 0)."""
-    return lr * grad_atol * sum(sum(momentum ** k for k in range(t + 1)) for t in range(steps))
+    lr·b_t, b_t = Σ_{s≤t} μ^(t-s)·g_s (torch's momentum buffer, dampening 0); Nesterov lr·(g_t + μ·b_t)."""
+    def weight(t):
+        buffer = sum(momentum ** k for k in range(t + 1))
+        return 1 + momentum * buffer if nesterov else buffer
+    return lr * grad_atol * sum(weight(t) for t in range(steps))
 
 
 def adam_step_bound(betas, step: int) -> float:
@@ -102,7 +105,7 @@ def trained_atol(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad_rto
     if "exp_avg_sq" in optimizer.state.get(param, {}):
         return adam_atol(optimizer, param, grad_rtol)
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-    return (sgd_atol(group["lr"], steps, grad_rtol * grad_scale, group.get("momentum", 0.0))
+    return (sgd_atol(group["lr"], steps, grad_rtol * grad_scale, group.get("momentum", 0.0), group.get("nesterov", False))
             + steps * eps(param.dtype) * param.detach().abs().max().item())   # the value's own rounding
 
 
