@@ -118,7 +118,10 @@ def record_grad_scale(params, grad_scale: dict) -> None:
 
 def assert_within(actual: torch.Tensor, expected: torch.Tensor, atol, what: str) -> None:
     """|actual - expected| <= atol element-wise (atol a number or a tensor), naming the worst element."""
-    diff = (actual.detach().float() - expected.detach().float()).abs()
+    expected = expected.detach().to(actual.device)
+    if isinstance(atol, torch.Tensor):
+        atol = atol.to(actual.device)
+    diff = (actual.detach().float() - expected.float()).abs()
     if os.environ.get("NUMERICS_REPORT"):         # how much of each bound a run uses: RATIO <max diff/bound>
         ratio = (diff / torch.as_tensor(atol, dtype=diff.dtype).clamp_min(1e-30)).max().item()
         print(f"RATIO {ratio:.3g} {what}", flush=True)
