@@ -206,6 +206,71 @@ def test_torchrun_two_processes_prints_final_line(tmp_path):
     assert (tmp_path / "latest").read_text() == "step_000003.pt"
 
 
+# ----------------------------------------------------------------------------- independent reference
+def _hf_names(name: str):
+    """The Hugging Face GPT-2 parameter holding GPTStage's `name`, and whether it is transposed
+    (HF's Conv1D keeps (in, out))."""
+    table = {"embed.tok.weight": "transformer.wte.weight", "embed.pos.weight": "transformer.wpe.weight",
+             "head.ln_f.weight": "transformer.ln_f.weight", "head.ln_f.bias": "transformer.ln_f.bias",
+             "head.lm_head.weight": "lm_head.weight"}
+    if name in table:
+        return table[name], False
+    _, i, rest = name.split(".", 2)
+    module, leaf = rest.rsplit(".", 1)
+    hf_module = {"ln1": "ln_1", "ln2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
+                 "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}[module]
+    return f"transformer.h.{i}.{hf_module}.{leaf}", leaf == "weight" and not module.startswith("ln")
+
+
+def single_process_model_is_hf_gpt2(rank, world_size):
+    """The 3D example's single-process model (GPTStage on a mesh of one; every layout is compared
+    with it) against code pynccl did not write: Hugging Face's GPT2LMHeadModel (eager attention,
+    untied head) with the same weights: logits over the real vocabulary, the loss, every gradient."""
+    import transformers
+    import torch.nn.functional as F
+    from gpt.model import GPTConfig, GPTStage, lm_loss
+    from numerics import assert_within, transformer_rtol
+    from pynccl.mesh import ParallelMesh
+    mesh = ParallelMesh()
+    config = GPTConfig(vocab_size=40, seq_len=16, num_layers=2, hidden_size=32, num_heads=4)
+    stage = GPTStage(config, mesh)
+    hf_config = transformers.GPT2Config(vocab_size=config.padded_vocab_size, n_embd=32, n_layer=2, n_head=4,
+                                        n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    hf_config._attn_implementation = "eager"
+    hf = transformers.GPT2LMHeadModel(hf_config)
+    hf_params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            hf_name, transposed = _hf_names(name)
+            hf_params[hf_name].copy_(p.t() if transposed else p)
+    x = torch.randint(0, config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
+    logits = stage(x)                                                    # (s, b, V_padded)
+    loss = lm_loss(logits, y, mesh.tp_group, config.vocab_size)
+    loss.backward()
+    hf_logits = hf(input_ids=x).logits[..., :config.vocab_size]          # (b, s, V)
+    hf_loss = F.cross_entropy(hf_logits.flatten(0, 1), y.flatten())
+    hf_loss.backward()
+    # Relative to each tensor's largest element: the model's reduction chain (tests/numerics.py).
+    rtol = transformer_rtol(2, 32, 128, 8, 16, config.padded_vocab_size, 3 * 16)
+
+    def close(actual, expected, what):
+        assert_within(actual, expected, rtol * expected.abs().max().item(), what)
+    close(loss, hf_loss, "loss vs HF GPT2LMHeadModel")
+    close(logits[..., :config.vocab_size].transpose(0, 1), hf_logits, "logits vs HF GPT2LMHeadModel")
+    for name, p in stage.named_parameters():
+        hf_name, transposed = _hf_names(name)
+        g = hf_params[hf_name].grad
+        close(p.grad, g.t() if transposed else g, f"grad of {name} vs HF's {hf_name}")
+    return True
+
+
+def test_single_process_model_is_hugging_face_gpt2():
+    pytest.importorskip("transformers")
+    assert run_multiprocess(single_process_model_is_hf_gpt2, 1, timeout=120) == [True]
+
+
 # ----------------------------------------------------------------------------- NCCL on GPUs
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
