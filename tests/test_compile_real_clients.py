@@ -10,6 +10,7 @@ parameter swaps meet the compiler (stage 3's bookkeeping once crashed dynamo's s
 without inductor's C++ build, which would take minutes on the CI machine."""
 import copy
 
+import pytest
 import torch
 
 import pynccl
@@ -67,6 +68,7 @@ def _tensor_parallel():
                                        msg=lambda m: f"compiled TP (sp={sp}) grad of {name}: {m}")
 
 
+@pytest.mark.numerics
 def test_compiled_wrappers_equal_one_process():
     torch._dynamo.reset()
     assert run_multiprocess(_case, 2, timeout=900) == [True, True]

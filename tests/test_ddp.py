@@ -391,6 +391,7 @@ def test_ddp_world_size_2_bootstrapped_from_torch_distributed():
     run_multiprocess(_case_torch_first, 2, backend=None, timeout=120)
 
 
+@pytest.mark.numerics
 def test_ddp_world_size_3():
     run_multiprocess(_case_pynccl_first, 3, backend="gloo", timeout=120)
 

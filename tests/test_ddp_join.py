@@ -137,6 +137,7 @@ def _case(rank, ws):
         pynccl.DistributedDataParallel(_net(), static_graph=True).join()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("ws", [2, 3])
 def test_join_uneven_inputs(ws):
     run_multiprocess(_case, ws, backend="gloo", timeout=180)

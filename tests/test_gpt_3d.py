@@ -132,6 +132,7 @@ def assert_close_rel(got, expected, what):
         assert abs(g - e) <= 1e-4 * abs(e), f"{what}: step {i}: {g!r} vs single process {e!r}"
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("layout", list(FOUR_RANK_LAYOUTS) + list(TWO_RANK_LAYOUTS))
 def test_layout_matches_single_process(runs, layout):
     ref_losses, ref_norms, _ = runs["single"]
@@ -266,6 +267,7 @@ def single_process_model_is_hf_gpt2(rank, world_size):
     return True
 
 
+@pytest.mark.numerics
 def test_single_process_model_is_hugging_face_gpt2():
     pytest.importorskip("transformers")
     assert run_multiprocess(single_process_model_is_hf_gpt2, 1, timeout=120) == [True]

@@ -373,6 +373,7 @@ def _check_tuple_outputs(rank, p):
             assert abs(torch.stack(losses).mean().item() - loss.item()) <= TOL
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("p", [2, 3, 4])
 def test_pipeline_gloo(p):
     assert run_multiprocess(_pipeline_case, p, timeout=120) == [True] * p

@@ -57,6 +57,7 @@ def _tokens(seed, batch=BATCH):
 
 
 # ----------------------------------------------------------------------------- no processes
+@pytest.mark.numerics
 @pytest.mark.parametrize("family", sorted(MODELS))
 @pytest.mark.parametrize("num_stages", [1, 3, 4])
 def test_stages_chained_are_the_model(family, num_stages):
@@ -189,6 +190,7 @@ def _check_pipelines(rank, p):
     return {f"{family} {cls.__name__}": _train_and_compare(rank, p, family, cls, v) for family, cls, v in cases}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("p", [2, 4])
 def test_hf_pipeline_trains_as_one_process(p):
     per_rank = run_multiprocess(_check_pipelines, world_size=p, timeout=240)

@@ -365,6 +365,7 @@ def check_tensor_parallel(rank, world_size, dtype=torch.float32, tol=None):
     return True
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_tensor_parallel_gloo(world_size):
     assert run_multiprocess(check_tensor_parallel, world_size, timeout=120) == [True] * world_size
@@ -417,6 +418,7 @@ def _hf_gpt2_with_block(ref):
 BLOCK_RTOL = chain_rtol(2 * (5 * H + H // HEADS + 2 * S + FFN))
 
 
+@pytest.mark.numerics
 def test_reference_block_is_hugging_face_gpt2_and_torch_attention():
     """Every TP test compares against pynccl.testing.reference_models, which shares its attention
     and activation with the TP layers (tensor_parallel.functional): a bug there would pass them all.

@@ -221,6 +221,7 @@ def check_tp_plans(rank, world_size):
     return True
 
 
+@pytest.mark.numerics
 def test_tp_plans_gloo_tp2_and_tp4():
     assert run_multiprocess(check_tp_plans, 4, timeout=300) == [True] * 4
 

@@ -64,6 +64,7 @@ def test_flags_defaults_and_size_errors():
         train_bench.check_sizes(args, "pp-interleaved", 4)
 
 
+@pytest.mark.numerics
 def test_train_bench_pairs_agree_on_gloo(tmp_path, capfd):
     out, png = tmp_path / "rows.json", tmp_path / "tokens.png"
     train_bench.main(["--device", "cpu", "--nproc", "2", "--strategy", "ddp,zero3,pp-1f1b",
@@ -107,6 +108,7 @@ def _single_process_losses(strategy):
     return [step().item() for _ in range(args.warmup + args.steps)]
 
 
+@pytest.mark.numerics
 def test_tensor_parallel_plans_train_as_one_process(tmp_path):
     """tp and tp-sp at tp 2, pynccl's plan (plans.llama) and torch's (train_bench's torchtitan-style
     DTensor plan), each against one process: a wrong plan entry (a missed all-reduce, positions

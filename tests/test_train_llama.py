@@ -84,6 +84,7 @@ def train_every_layout(rank, world_size, tmp):
     return results
 
 
+@pytest.mark.numerics
 def test_train_llama_layouts_match_one_process(tmp_path):
     results = run_multiprocess(train_every_layout, 4, timeout=600, args=(str(tmp_path),))
     assert all(r == results[0] for r in results), "ranks report different losses"

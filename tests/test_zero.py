@@ -437,6 +437,7 @@ def test_zero_world_size_4(ws4_checkpoint):
     assert os.path.exists(os.path.join(ws4_checkpoint, "full.pt"))
 
 
+@pytest.mark.numerics
 def test_zero_world_size_3(tmp_path):
     assert run_multiprocess(_case, 3, args=(None, str(tmp_path)), timeout=240) == [True] * 3
 

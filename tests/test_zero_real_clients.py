@@ -343,10 +343,12 @@ def _case(rank, ws):
     return True
 
 
+@pytest.mark.numerics
 def test_real_clients_world_size_2():
     assert run_multiprocess(_case, 2, timeout=600) == [True, True]
 
 
+@pytest.mark.numerics
 def test_real_clients_world_size_3_uneven_rows():
     assert run_multiprocess(_ws3, 3, timeout=600) == [True] * 3
 
