@@ -20,8 +20,12 @@ ATEN_CPU_CAPABILITY and the thread count change). The model, used by every helpe
   at most ≈ 2δ/s of lr. An element whose gradient is at rounding-noise level (an attention key
   bias, a bias feeding BatchNorm: zero in exact arithmetic) therefore moves by up to lr·c_t per
   step in a direction the noise picks, and two correct runs may be 2·lr·c_t apart there per step.
-  `adam_atol` gives each element min(2·c_t, 2·δ/s)·lr per step, s read from the reference
-  optimizer's exp_avg_sq: tight where the gradient is signal, Adam's own bound where it is noise.
+  `adam_atol` gives each element min(2·c_t, 2·δ·G/s)·lr per step (G the tensor's largest
+  gradient), s read from the reference optimizer's exp_avg_sq: tight where the gradient is signal,
+  Adam's own bound where it is noise.
+* First order: the differences a step leaves in the parameters change later gradients too; in
+  well-conditioned setups (SGD, or AdamW away from noise-level gradients) that is far below the
+  rounding bound, and the tests' measured margins (NUMERICS_REPORT=1 prints each bound's use) show it.
 
 A bug a test guards (a missed 1/N, a dropped micro-batch, a stale shard) changes a gradient by
 tens of per cent and a step by ~lr: orders of magnitude above these bounds.
@@ -83,15 +87,37 @@ def adam_atol(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad_rtol: 
     runs whose gradients agreed to grad_rtol (relative to the tensor's largest gradient rms).
     `optimizer` is the reference's, holding `param`'s state."""
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-    state = optimizer.state[param]
+    return adam_state_atol(optimizer.state[param], group, param, grad_rtol)
+
+
+def _adam_gradient_scale(state: dict, group: dict):
+    """(each element's gradient rms over the run, the largest |gradient| any step can have had):
+    v̂ = Σ w'_s g_s² with weights w'_s summing to 1, so |g_s| <= sqrt(v̂ / min w')."""
     steps = int(state["step"])
-    b1, b2 = group["betas"]
-    rms = (state["exp_avg_sq"] / (1 - b2 ** steps)).sqrt()      # each element's gradient rms over the run
-    scale = rms.max().clamp_min(1e-30)
-    c = adam_step_bound((b1, b2), steps)
-    per_step = torch.clamp(2 * grad_rtol * scale / (rms + group["eps"]), max=2 * c)
+    b2 = group["betas"][1]
+    rms = (state["exp_avg_sq"] / (1 - b2 ** steps)).sqrt()
+    min_weight = (1 - b2) * b2 ** (steps - 1) / (1 - b2 ** steps)
+    return rms, rms.max().item() / math.sqrt(min_weight)
+
+
+def adam_state_atol(state: dict, group: dict, param: torch.Tensor, grad_rtol: float) -> torch.Tensor:
+    """adam_atol from one parameter's Adam state (step, exp_avg_sq) and its param group (lr,
+    betas, eps), e.g. read from a checkpoint."""
+    steps = int(state["step"])
+    rms, largest = _adam_gradient_scale(state, group)
+    c = adam_step_bound(group["betas"], steps)
+    per_step = torch.clamp(2 * grad_rtol * largest / (rms + group["eps"]), max=2 * c)
     # + the rounding of the parameter's own value at each step (|p|·eps/2 per update, both runs).
     return group["lr"] * steps * per_step + steps * eps(param.dtype) * param.detach().abs()
+
+
+def adam_moments_atol(state: dict, group: dict, grad_rtol: float) -> dict:
+    """Bounds on Adam's moments of two runs whose gradients agreed to grad_rtol of the largest
+    |gradient| G: exp_avg, a weighted mean of gradients, within grad_rtol·G; exp_avg_sq, of their
+    squares, within (2·grad_rtol + grad_rtol²)·G²."""
+    _, largest = _adam_gradient_scale(state, group)
+    return {"exp_avg": grad_rtol * largest, "exp_avg_sq": (2 * grad_rtol + grad_rtol ** 2) * largest ** 2,
+            "step": 0.0}
 
 
 def trained_atol(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad_rtol: float, grad_scale: float,
