@@ -405,6 +405,32 @@ def test_ddp_world_size_3():
     run_multiprocess(_case_pynccl_first, 3, backend="gloo", timeout=120)
 
 
+def _double_scaled_hook(state, bucket):
+    """A mutant of torch's allreduce_hook: divides by the world size twice (a doubled 1/N)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    bucket.buffer().div_(pynccl.get_world_size())
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _check_mutant_fails(rank, ws):
+    """The bounds above catch a doubled 1/N under SGD without momentum (and AdamW would not:
+    its step ignores the gradient's scale, which is why every path is compared under SGD)."""
+    batches = _batches((6 * ws, 8), (6 * ws, 8))
+
+    def wrap(m):
+        ddp = pynccl.DistributedDataParallel(m, bucket_cap_mb=TINY_BUCKETS_MB)
+        ddp.register_comm_hook(None, _double_scaled_hook)
+        return ddp
+    runs = _train_three(_mlp, "plain-sgd", batches, rank, ws, wrap_ours=wrap)
+    with pytest.raises(AssertionError, match="vs torch DDP: parameter"):
+        _compare_three(runs, ws, "doubled 1/N", against=("theirs",))
+    return True
+
+
+def test_a_wrong_scale_fails_the_bounds():
+    assert run_multiprocess(_check_mutant_fails, 2, backend="gloo", timeout=120) == [True, True]
+
+
 def test_example_runs_under_torchrun():
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
