@@ -16,13 +16,14 @@ ATEN_CPU_CAPABILITY and the thread count change). The model, used by every helpe
   lr·δ·Σ_t Σ_{s≤t} μ^(t-s) (`sgd_atol`): no amplification.
 * Adam(W) normalises: the step is lr·m̂/(√v̂+ε). Its size is at most lr·c_t, c_t =
   √(Σ_s w_s²/w'_s) over the bias-corrected weights of m̂ and v̂ (Cauchy-Schwarz; ≈ 1 for a few
-  steps). For an element whose gradient has rms s, gradients that agree to δ change the step by
-  at most ≈ 2δ/s of lr. An element whose gradient is at rounding-noise level (an attention key
+  steps). For an element whose gradient has rms s, gradients that agree to δ·G (G the tensor's
+  largest gradient) change the step by at most ≈ 2δG/s of lr. An element whose gradient is at
+  rounding-noise level (an attention key
   bias, a bias feeding BatchNorm: zero in exact arithmetic) therefore moves by up to lr·c_t per
   step in a direction the noise picks, and two correct runs may be 2·lr·c_t apart there per step.
-  `adam_atol` gives each element min(2·c_t, 2·δ·G/s)·lr per step (G the tensor's largest
-  gradient), s read from the reference optimizer's exp_avg_sq: tight where the gradient is signal,
-  Adam's own bound where it is noise.
+  `adam_atol` gives each element min(2·c_t, 2·δ·G/s)·lr per step, s and G read from the
+  reference optimizer's exp_avg_sq: tight where the gradient is signal, Adam's own bound where it
+  is noise.
 * First order: the differences a step leaves in the parameters change later gradients too; in
   well-conditioned setups (SGD, or AdamW away from noise-level gradients) that is far below the
   rounding bound, and the tests' measured margins (NUMERICS_REPORT=1 prints each bound's use) show it.
@@ -84,7 +85,7 @@ def adam_step_bound(betas, step: int) -> float:
 
 def adam_atol(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad_rtol: float) -> torch.Tensor:
     """Element-wise bound on |p - p_ref| after the reference optimizer's steps, for two Adam(W)
-    runs whose gradients agreed to grad_rtol (relative to the tensor's largest gradient rms).
+    runs whose gradients agreed to grad_rtol (relative to the tensor's largest gradient).
     `optimizer` is the reference's, holding `param`'s state."""
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
     return adam_state_atol(optimizer.state[param], group, param, grad_rtol)
