@@ -79,6 +79,17 @@ std::shared_ptr<Work> Communicator::batch_isend_irecv(const std::vector<std::tup
     check_rank(fn, "peer", std::get<2>(ops[i]), world_size_);
     total += args.back().numel;
   }
+  // NOTE: NCCL pairs the n-th send to a peer with the n-th recv from it. To this rank both are in
+  // this batch: an unpaired one never completes, or (seen at world size 1) NCCL completes the
+  // recv with nothing received. Refused here, before NCCL sees it.
+  std::vector<size_t> self_sends;
+  std::vector<size_t> self_recvs;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (std::get<2>(ops[i]) == rank_) (std::get<0>(ops[i]) ? self_sends : self_recvs).push_back(args[i].num_bytes);
+  }
+  PYNCCL_CHECK_VALUE(self_sends == self_recvs, fn, ": ", self_sends.size(), " send(s) to this rank (", rank_, ") and ",
+                    self_recvs.size(), " recv(s) from it; each send to yourself needs a recv of the same size, in the "
+                    "same order, in the same batch");
   OpScope scope(*this, fn, args[0].dtype, total, ops.size() == 1 ? static_cast<int>(std::get<2>(ops[0])) : -1,
                 /*async_op=*/true);
   {

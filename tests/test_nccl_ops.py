@@ -61,10 +61,34 @@ def test_complex_and_bool(comm):
 
 
 def test_zero_element_tensors(comm):
-    x = torch.empty(0, device="cuda")
-    comm.all_reduce(x)
-    comm.all_gather_into_tensor(torch.empty(0, device="cuda"), x)
+    """Zero-element tensors (an empty bucket, a rank with no rows of a shard) are valid input for
+    every op, as in torch.distributed: each is a sequenced op that completes (flight record
+    "completed", count 0), leaves its tensors empty, and the communicator stays usable."""
+    empty = lambda: torch.empty(0, device="cuda")          # noqa: E731
+    x = empty()
+    ops = [("all_reduce", lambda: comm.all_reduce(x, ReduceOp.SUM)),
+           ("broadcast", lambda: comm.broadcast(x, 0)),
+           ("reduce", lambda: comm.reduce(x, 0, ReduceOp.SUM)),
+           ("all_gather_into_tensor", lambda: comm.all_gather_into_tensor(empty(), x)),
+           ("reduce_scatter_tensor", lambda: comm.reduce_scatter_tensor(empty(), x, ReduceOp.SUM)),
+           ("all_to_all_single", lambda: comm.all_to_all_single(empty(), x, None, None))]
+    first_seq = comm.seq
+    for name, call in ops:
+        assert call() is None, name
+    work = comm.all_reduce(x, ReduceOp.SUM, True)                       # async: a Work that completes
+    assert work.wait() is True and work.synchronize() is True and work.is_completed()
     torch.cuda.synchronize()
+    assert comm.seq == first_seq + len(ops) + 1, "each empty op takes one sequence number"
+    assert x.numel() == 0
+    time.sleep(0.35)                                                    # the watchdog marks them completed
+    record = [e for e in comm.flight_record() if e["seq"] >= first_seq]
+    assert [e["op"] for e in record] == [name for name, _ in ops] + ["all_reduce"], record
+    assert all(e["count"] == 0 and e["state"] in ("completed", "untracked") for e in record), record
+    y = make(torch.float32)                                             # still usable: the same results
+    expected = y.clone()
+    comm.all_reduce(y, ReduceOp.SUM)
+    torch.cuda.synchronize()
+    same(y, expected)
 
 
 # ----------------------------------------------------------------------------- async Work

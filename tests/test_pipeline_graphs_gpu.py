@@ -13,6 +13,12 @@ between micro-batches in flight (GPipe holds all of them) or a stale input copy 
 much. Also: a stage keeps one captured pair per micro-batch in flight, and what a capture cannot
 serve (other shapes, a parameter whose storage was swapped, a DDP wrapper) raises instead of
 replaying stale graphs.
+
+Graph and eager are pynccl's own code on both sides, so the graphed pipeline is also compared with
+the unwrapped model (the whole HF Llama on one GPU, the whole batch, no pipeline) on the same data:
+every step's loss and this rank's gradients, and the parameters after 3 SGD steps (linear in the
+gradient: rounding stays rounding), within the fp32 rounding of the model's reductions
+(tests/numerics.py).
 """
 import copy
 
@@ -23,6 +29,7 @@ import pynccl
 from pynccl.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                              causal_lm_loss, hf_stage_modules)
 from pynccl.testing import run_multiprocess
+from numerics import eps, max_rel_diff, sgd_atol, transformer_rtol
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,15 +58,30 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-def _run(rank, p, cls, v, cuda_graph, autocast, model):
-    """STEPS AdamW steps of this rank's stages; (per-step mean losses, named params, stages)."""
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=SGD_LR, momentum=SGD_MOMENTUM)
+
+
+SGD_LR, SGD_MOMENTUM = 0.5, 0.9
+# Against the unwrapped model: the loss and every gradient (relative to its tensor's largest), the
+# model's reduction chain: 4 layers, hidden 128, ffn 256, head_dim 32, seq 32, vocab 256, 8 × 32 tokens.
+UNWRAPPED_REL = transformer_rtol(4, 128, 256, 32, SEQ, VOCAB, BATCH * SEQ)
+
+
+def _run(rank, p, cls, v, cuda_graph, autocast, model, make_opt=_adamw):
+    """STEPS optimizer steps of this rank's stages; (per-step mean losses, per-step gradients,
+    named params, stages)."""
     device = pynccl.get_device()
     mods = hf_stage_modules(model, rank, p, v)
     num_stages = p * v
     stages = [PipelineStage(mod, k, num_stages, cuda_graph=cuda_graph) for mod, k in zip(mods, range(rank, num_stages, p))]
     sched = cls(stages if v > 1 else stages[0], MICROBATCHES, causal_lm_loss)
     params = [q for mod in mods for q in mod.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=True)
+    opt = make_opt(params)
     has_first, has_last = rank == 0, rank == (num_stages - 1) % p
     owned = {id(q) for q in params}
     named_params = [(n, q) for n, q in model.named_parameters() if id(q) in owned]
@@ -108,6 +130,43 @@ def _compare(rank, p, cls, v, autocast):
     return stages
 
 
+def _unwrapped(model, device):
+    """The whole model on this GPU, the whole batch, STEPS SGD steps: (losses, gradients, params)."""
+    opt = _sgd(model.parameters())
+    losses, grads = [], []
+    for step in range(STEPS):
+        x = _tokens(step, device)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: q.grad.clone() for n, q in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads, {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+def _against_unwrapped(rank, p, cls, v):
+    """The graphed pipeline (SGD, fp32) against the unwrapped model on the same data."""
+    what = f"graphed {cls.__name__} pp={p} v={v} rank {rank} vs the unwrapped model"
+    device = pynccl.get_device()
+    base = _llama(device)
+    ref_losses, ref_grads, ref_params = _unwrapped(copy.deepcopy(base), device)
+    losses, grads, params, _ = _run(rank, p, cls, v, True, False, copy.deepcopy(base), _sgd)
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        d = max_rel_diff(a, b)
+        assert d <= UNWRAPPED_REL, f"{what}: step {step} loss differs by {d:.1e} (relative, bound {UNWRAPPED_REL:.1e})"
+    assert len(grads) == STEPS and grads[0], what
+    for step, (g, rg) in enumerate(zip(grads, ref_grads)):
+        for n in g:
+            d = max_rel_diff(g[n], rg[n])
+            assert d <= UNWRAPPED_REL, f"{what}: step {step} gradient of {n} differs by {d:.1e} (relative)"
+    for n, q in params.items():
+        scale = max(rg[n].abs().max().item() for rg in ref_grads)
+        tol = sgd_atol(SGD_LR, STEPS, UNWRAPPED_REL * scale, SGD_MOMENTUM) + STEPS * eps() * q.abs().max().item()
+        d = (q - ref_params[n]).abs().max().item()
+        assert d <= tol, f"{what}: parameter {n} after {STEPS} steps differs by {d:.1e} > {tol:.1e}"
+
+
 def _errors(rank, p):
     """What a capture cannot serve raises (checked on one rank's stage alone, p = 1)."""
     device = pynccl.get_device()
@@ -131,8 +190,10 @@ def _errors(rank, p):
 
 
 def _all_cases(rank, p):
+    torch.backends.cuda.matmul.allow_tf32 = False       # fp32 GEMMs on both sides (torch's default, pinned)
     for cls in (ScheduleGPipe, Schedule1F1B):
         _compare(rank, p, cls, 1, autocast=False)
+    _against_unwrapped(rank, p, Schedule1F1B, 1)
     _compare(rank, p, Schedule1F1B, 1, autocast=True)
     if p == 2:
         _compare(rank, p, ScheduleInterleaved1F1B, 2, autocast=False)

@@ -2,11 +2,15 @@
 
 Process-free: the stages chained in order give the model's logits and HF's own loss exactly, they
 hold the model's parameters (each once), and the errors name what is wrong. On gloo at pp 2 and 4:
-a tiny LlamaForCausalLM (and an untied GPT-2) trained 3 AdamW steps under GPipe, 1F1B and
-interleaved 1F1B has, at every step, the whole batch's loss and every gradient of the single-process
-model (fp32, 2e-4 relative), and the same parameters after the steps. A missed 1/n_microbatches
-scale, a stage fed the wrong positions or mask, or a layer left out breaks these by orders of
-magnitude more than the tolerance."""
+a tiny LlamaForCausalLM (and an untied GPT-2) trained 3 SGD steps (momentum 0.9) under GPipe, 1F1B
+and interleaved 1F1B has, at every step, the whole batch's loss and every gradient of the
+single-process model, and the same parameters after the steps, within the fp32 rounding of the
+model's reductions (tests/numerics.py). SGD, not AdamW: the pipeline does not touch the optimizer,
+and SGD's step is linear in the gradient, so a rounding difference stays a rounding difference
+(AdamW's first step is lr·sign(g): a near-zero gradient whose sign flips moves 2·lr, which then
+shows in every later gradient), and a wrong gradient scale shows in the parameters. A missed
+1/n_microbatches scale, a dropped micro-batch, a stage fed the wrong positions or mask, or a layer
+left out breaks these by orders of magnitude more than the tolerance (test_mutants_fail)."""
 import copy
 
 import pytest
@@ -17,23 +21,29 @@ transformers = pytest.importorskip("transformers")
 from pynccl.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
                              ScheduleInterleaved1F1B, causal_lm_loss, hf_layer_ranges, hf_stage_module,
                              hf_stage_modules)
-from pynccl.testing import run_multiprocess  # noqa: E402
+from pynccl.testing import MultiProcessError, run_multiprocess  # noqa: E402
+from numerics import max_rel_diff, sgd_atol, transformer_rtol  # noqa: E402
 
 VOCAB, SEQ, BATCH, MICROBATCHES, STEPS = 128, 16, 8, 4, 3
-REL = 2e-4
+HIDDEN, FFN, HEADS, LAYERS = 64, 256, 4, 4           # GPT-2's MLP is 4 × hidden; Llama's 128 is smaller
+LR, MOMENTUM = 0.5, 0.9
+# The loss and each gradient (relative to its tensor's largest element): fp32 rounding of the
+# model's reduction chain, computed on micro-batches of 2 against the whole batch of 8 (5.5e-4;
+# measured up to 6e-5 with either CPU capability).
+REL = transformer_rtol(LAYERS, HIDDEN, FFN, HIDDEN // HEADS, SEQ, VOCAB, BATCH * SEQ)
 
 
 def _llama(seed=0, layers=4):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
+                                   num_attention_heads=HEADS, num_key_value_heads=2, intermediate_size=128,
                                    max_position_embeddings=64)
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _gpt2(seed=0, tied=False):
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64,
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
                                   tie_word_embeddings=tied, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                   bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg)
@@ -46,11 +56,8 @@ def _tokens(seed, batch=BATCH):
     return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _rel_diff(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
 # ----------------------------------------------------------------------------- no processes
+@pytest.mark.numerics
 @pytest.mark.parametrize("family", sorted(MODELS))
 @pytest.mark.parametrize("num_stages", [1, 3, 4])
 def test_stages_chained_are_the_model(family, num_stages):
@@ -110,21 +117,39 @@ def test_causal_lm_loss_ignores_the_last_position_and_minus_100():
 
 
 # ----------------------------------------------------------------------------- multi-process
-def _train_and_compare(rank, p, family, schedule_cls, stages_per_rank):
-    """3 AdamW steps pipelined and on the whole model alone; returns the names this rank trained."""
+def _mutated_loss(mutant):
+    """causal_lm_loss with the same value but a wrong gradient: "scale" as a missed
+    1/n_microbatches (n times the gradient), "drop" as a dropped micro-batch (the first one's
+    gradient is zero)."""
+    calls = []
+
+    def loss_fn(logits, target):
+        loss = causal_lm_loss(logits, target)
+        calls.append(1)
+        if mutant == "scale":
+            return loss.detach() + MICROBATCHES * (loss - loss.detach())
+        if mutant == "drop" and len(calls) % MICROBATCHES == 1:
+            return loss.detach() + 0 * loss
+        return loss
+    return loss_fn if mutant else causal_lm_loss
+
+
+def _train_and_compare(rank, p, family, schedule_cls, stages_per_rank, mutant=None):
+    """3 SGD steps pipelined and on the whole model alone; returns the names this rank trained."""
     what = f"{family} {schedule_cls.__name__} pp={p} v={stages_per_rank} rank {rank}"
     model = MODELS[family](seed=5)
     ref = copy.deepcopy(model)
     num_stages = p * stages_per_rank
     mods = hf_stage_modules(model, rank, p, stages_per_rank)
     stages = [PipelineStage(mod, k, num_stages) for mod, k in zip(mods, range(rank, num_stages, p))]
-    sched = schedule_cls(stages if stages_per_rank > 1 else stages[0], MICROBATCHES, causal_lm_loss)
+    sched = schedule_cls(stages if stages_per_rank > 1 else stages[0], MICROBATCHES, _mutated_loss(mutant))
     owned = {id(q) for mod in mods for q in mod.parameters()}
     names = [n for n, q in model.named_parameters() if id(q) in owned]
     params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
-    opt = torch.optim.AdamW([params[n] for n in names], lr=1e-3, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.SGD([params[n] for n in names], lr=LR, momentum=MOMENTUM)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=MOMENTUM)
     has_first, has_last = rank == 0, rank == (num_stages - 1) % p
+    grad_scale = dict.fromkeys(names, 0.0)          # each tensor's largest gradient over the steps
     for step in range(STEPS):
         x = _tokens(100 + step)
         losses = []
@@ -133,25 +158,26 @@ def _train_and_compare(rank, p, family, schedule_cls, stages_per_rank):
         ref_loss.backward()
         if has_last:
             assert len(losses) == MICROBATCHES, what
-            d = _rel_diff(torch.stack(losses).mean(), ref_loss.detach())
+            d = max_rel_diff(torch.stack(losses).mean(), ref_loss.detach())
             assert d <= REL, f"{what} step {step}: loss differs from the whole batch's by {d:.1e} (relative)"
         else:
             assert losses == [], what
         for n in names:
             assert params[n].grad is not None, f"{what} step {step}: {n} has no gradient"
-            d = _rel_diff(params[n].grad, ref_params[n].grad)
-            assert d <= REL, f"{what} step {step}: gradient of {n} differs by {d:.1e} (relative)"
+            d = max_rel_diff(params[n].grad, ref_params[n].grad)
+            assert d <= REL, f"{what} step {step}: gradient of {n} differs by {d:.1e} (relative, bound {REL:.1e})"
+            grad_scale[n] = max(grad_scale[n], ref_params[n].grad.abs().max().item())
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    # Element-wise, with an absolute floor of a tenth of one step's update (lr = 1e-3; a stale or
-    # skipped update moves an element by ~lr): where a gradient is zero up to rounding (GPT-2's key
-    # bias) or near Adam's eps, the update g / (|g| + eps) amplifies rounding differences.
+    # SGD moves the two runs apart by at most lr × the gradients' differences (REL of each
+    # tensor's scale) summed through the momentum buffer; a skipped or stale update is off by a
+    # whole step, lr × |g|, about 1/REL times more.
     for n in names:
+        tol = sgd_atol(LR, STEPS, REL * grad_scale[n], MOMENTUM)
         d = (params[n].detach() - ref_params[n].detach()).abs().max().item()
-        assert torch.allclose(params[n], ref_params[n], rtol=REL, atol=1e-4), \
-            f"{what}: parameter {n} after {STEPS} steps differs by up to {d:.1e}"
+        assert d <= tol, f"{what}: parameter {n} after {STEPS} steps differs by {d:.1e} > {tol:.1e}"
     untouched = [n for n, q in model.named_parameters() if id(q) not in owned and q.grad is not None]
     assert not untouched, f"{what}: parameters of other ranks' stages got gradients here: {untouched}"
     return names
@@ -164,6 +190,7 @@ def _check_pipelines(rank, p):
     return {f"{family} {cls.__name__}": _train_and_compare(rank, p, family, cls, v) for family, cls, v in cases}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("p", [2, 4])
 def test_hf_pipeline_trains_as_one_process(p):
     per_rank = run_multiprocess(_check_pipelines, world_size=p, timeout=240)
@@ -172,3 +199,15 @@ def test_hf_pipeline_trains_as_one_process(p):
         all_names = [n for n, _ in MODELS[family]().named_parameters()]
         held = [n for r in range(p) for n in per_rank[r][case]]
         assert sorted(held) == sorted(all_names), f"{case}: each parameter must be trained by exactly one rank"
+
+
+def _check_mutant(rank, p, mutant):
+    _train_and_compare(rank, p, "llama", Schedule1F1B, 1, mutant)
+
+
+@pytest.mark.parametrize("mutant", ["scale", "drop"])
+def test_mutants_fail(mutant):
+    """The tolerances above catch what they guard: a missed 1/n_microbatches and a dropped
+    micro-batch's gradient (the loss's value unchanged) fail the gradient check."""
+    with pytest.raises(MultiProcessError, match="gradient of .* differs by"):
+        run_multiprocess(_check_mutant, world_size=2, timeout=240, args=(mutant,))

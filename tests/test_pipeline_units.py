@@ -9,6 +9,7 @@ import pynccl
 from pynccl.pipeline import build_stage_module, split_into_stages
 from pynccl.pipeline.p2p import TensorMeta, decode_meta, encode_meta
 from pynccl.testing import run_multiprocess
+from numerics import assert_within, chain_rtol
 
 
 def test_split_balanced_by_parameters():
@@ -198,6 +199,9 @@ def test_cuda_graph_replay_node_routes_gradients_like_autograd():
         (y * c).sum().backward()
         xr = x.detach().clone().requires_grad_(True)
         (xr @ ref_w * c).sum().backward()
-        assert torch.allclose(x.grad, xr.grad) and torch.allclose(w.grad, ref_w.grad), f"micro-batch {mb}"
+        # The same products as autograd's, perhaps transposed differently: dot products of 2 and 4
+        # terms, summed in another order (tests/numerics.py): 4·eps of the largest value.
+        for got, expected in ((x.grad, xr.grad), (w.grad, ref_w.grad)):
+            assert_within(got, expected, chain_rtol(4) * expected.abs().max().item(), f"micro-batch {mb}")
         assert x.grad.data_ptr() != slot.static_input_grads[0].data_ptr()
         assert w.grad.data_ptr() != slot.static_param_grads[0].data_ptr()

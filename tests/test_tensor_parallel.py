@@ -14,9 +14,15 @@ import pynccl
 import pynccl.tensor_parallel as tp
 from pynccl.testing import run_multiprocess
 from pynccl.testing.reference_models import CausalSelfAttention, MLP, TransformerBlock
+from numerics import assert_within, chain_rtol
 
 S, B, H, HEADS, FFN, VOCAB = 12, 2, 24, 12, 48, 49
-FP32_TOL = dict(rtol=1e-5, atol=1e-5)
+# Every comparison is relative to the expected tensor's largest element, within the fp32 rounding
+# of the longest chain here (tests/numerics.py): the mini GPT's block forward and backward (the
+# norms, q/k/v and proj: H; the scores: H / HEADS; softmax and P·V: S; fc: H; proj: FFN), its
+# embedding and LayerNorm (H), logits and loss (VOCAB) and the sums over S × B tokens. A
+# row-parallel layer sums its ranks' partial products in another order: inside these bounds.
+FP32_TOL = chain_rtol(2 * (5 * H + H // HEADS + 2 * S + FFN), 2 * H, 2 * VOCAB, 2 * S * B)
 
 
 def _randn(*shape, seed, device, dtype=torch.float32):
@@ -32,8 +38,10 @@ def _last_shard(t, group, num_chunks=1):
 
 
 def _close(actual, expected, what, tol):
+    """|actual - expected| <= tol × max |expected|, element-wise."""
     assert actual is not None, f"{what}: no gradient"
-    torch.testing.assert_close(actual, expected.to(actual.dtype), **tol, msg=lambda m: f"{what}: {m}")
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert_within(actual, expected.to(actual.dtype), tol * expected.detach().abs().max().item(), what)
 
 
 def _compare(par, ref, x_full, group, what, tol, in_local=None, out_local=None, seed=0, input_grad=True):
@@ -193,7 +201,7 @@ def _gpt_checks(group, dev, dtype, tol):
         ref_loss.backward()
         par_loss = par.loss(tokens, targets)
         par_loss.backward()
-        _close(par_loss, ref_loss.detach().float(), f"mini GPT sp={sp}: loss", tol)
+        _close(par_loss, ref_loss.detach().to(par_loss.dtype), f"mini GPT sp={sp}: loss", tol)
         ref_params = dict(ref.named_parameters())
         for name, p in par.named_parameters():
             _close(p.grad, tp.shard_like(p, ref_params[name].grad, group), f"mini GPT sp={sp}: grad of {name}", tol)
@@ -364,6 +372,7 @@ def check_tensor_parallel(rank, world_size, dtype=torch.float32, tol=None):
     return True
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_tensor_parallel_gloo(world_size):
     assert run_multiprocess(check_tensor_parallel, world_size, timeout=120) == [True] * world_size
@@ -387,3 +396,71 @@ def test_rng_tracker_without_processes():
             pass
     with pytest.raises(ValueError, match="tp_rank must be >= 0"):
         tp.model_parallel_seed(1, -1)
+
+
+# ----------------------------------------------------------------------------- independent references
+def _hf_gpt2_with_block(ref):
+    """Hugging Face's GPT2Model (eager attention: explicit scores, causal mask and softmax; no
+    dropout; positions zeroed) whose first block holds `ref`'s weights (Conv1D keeps them as (in, out))."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=H, n_layer=2, n_head=HEADS, n_inner=FFN, n_positions=S,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+    cfg._attn_implementation = "eager"
+    hf = transformers.GPT2Model(cfg)
+    block = hf.h[0]
+    with torch.no_grad():
+        hf.wpe.weight.zero_()
+        for theirs, ours in ((block.ln_1, ref.ln1), (block.ln_2, ref.ln2)):
+            theirs.load_state_dict(ours.state_dict())
+        for theirs, ours in ((block.attn.c_attn, ref.attn.qkv), (block.attn.c_proj, ref.attn.proj),
+                             (block.mlp.c_fc, ref.mlp.fc), (block.mlp.c_proj, ref.mlp.proj)):
+            theirs.weight.copy_(ours.weight.t())
+            theirs.bias.copy_(ours.bias)
+    return hf, {"ln1": block.ln_1, "ln2": block.ln_2, "attn.qkv": block.attn.c_attn, "attn.proj": block.attn.c_proj,
+                "mlp.fc": block.mlp.c_fc, "mlp.proj": block.mlp.c_proj}
+
+
+# One block, forward and backward (tests/numerics.py): the norms, q/k/v and proj (H), the scores
+# (H / HEADS), softmax and P·V (S each), fc (H) and proj (FFN): relative to each tensor's largest.
+BLOCK_RTOL = chain_rtol(2 * (5 * H + H // HEADS + 2 * S + FFN))
+
+
+@pytest.mark.numerics
+def test_reference_block_is_hugging_face_gpt2_and_torch_attention():
+    """Every TP test compares against pynccl.testing.reference_models, which shares its attention
+    and activation with the TP layers (tensor_parallel.functional): a bug there would pass them all.
+    So the reference block itself is checked against code pynccl did not write: Hugging Face's
+    GPT2Block (output, input gradient and every weight gradient) and torch's nn.MultiheadAttention
+    with a causal mask (the attention alone)."""
+    torch.manual_seed(0)
+    ref = TransformerBlock(H, HEADS, FFN)
+    with torch.no_grad():           # pre-activations of order 1-3, where GELU's tanh and erf forms differ (~5e-4)
+        ref.mlp.fc.weight.mul_(4.0)
+    hf, modules = _hf_gpt2_with_block(ref)
+    x = _randn(S, B, H, seed=1, device="cpu")
+    dy = _randn(S, B, H, seed=2, device="cpu")
+    x_ref = x.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    y_ref.backward(dy)
+    x_hf = x.transpose(0, 1).clone().requires_grad_()                 # HF's (b, s, h)
+    y_hf = hf(inputs_embeds=x_hf, output_hidden_states=True).hidden_states[1]   # the first block's output
+    y_hf.backward(dy.transpose(0, 1))
+
+    def close(actual, expected, what):
+        assert_within(actual, expected, BLOCK_RTOL * expected.abs().max().item(), what)
+    close(y_ref, y_hf.transpose(0, 1), "block output vs HF GPT2Block")
+    close(x_ref.grad, x_hf.grad.transpose(0, 1), "block input grad vs HF GPT2Block")
+    for prefix, theirs in modules.items():
+        ours = ref.get_submodule(prefix)
+        transpose = prefix not in ("ln1", "ln2")                        # Conv1D: (in, out)
+        close(ours.weight.grad, theirs.weight.grad.t() if transpose else theirs.weight.grad, f"{prefix}.weight grad")
+        close(ours.bias.grad, theirs.bias.grad, f"{prefix}.bias grad")
+
+    mha = nn.MultiheadAttention(H, HEADS)                               # (s, b, h), packed [q | k | v]
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(ref.attn.qkv.weight)
+        mha.in_proj_bias.copy_(ref.attn.qkv.bias)
+        mha.out_proj.weight.copy_(ref.attn.proj.weight)
+        mha.out_proj.bias.copy_(ref.attn.proj.bias)
+        causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)   # True: not attended
+        close(ref.attn(x), mha(x, x, x, attn_mask=causal, need_weights=False)[0], "attention vs nn.MultiheadAttention")

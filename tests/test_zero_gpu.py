@@ -1,7 +1,8 @@
 """ZeRO stages 1-3 on NCCL: parameters after clipped optimizer steps equal a single-process run
-on the same global batch, fp32 (TF32 off, AdamW) and bf16 mixed precision (SGD with momentum:
-bf16 GEMMs on differently aligned buffers may round differently, and Adam's normalisation
-would turn such noise on near-zero gradients into lr-sized steps); stage 3 frees its units;
+on the same global batch, within the bounds of tests/numerics.py: fp32 (TF32 off, AdamW) and bf16
+mixed precision (SGD with momentum: bf16 GEMMs on differently aligned buffers may round
+differently, and Adam's normalisation would turn such noise on near-zero gradients into lr-sized
+steps); stage 3 frees its units;
 a backward that keeps the GPU busy (gradients arrive long after the host ran every hook)
 must not change the result. World size 1 on one GPU; 2+ where there are several."""
 import pytest
@@ -12,7 +13,8 @@ import pynccl
 from pynccl.testing import run_multiprocess
 from pynccl.zero import MixedPrecision
 
-from test_zero import GLOBAL_BATCH, LR, V, Net, global_batch, local
+from numerics import chain_rtol, eps, record_grad_scale
+from test_zero import GLOBAL_BATCH, GRAD_RTOL, LR, NUM_PARAMS, V, Net, assert_close, expected_state, global_batch, local
 
 STEPS = 5
 
@@ -43,13 +45,15 @@ def _net(device, slow=False):
     return (SlowNet() if slow else Net()).to(device)
 
 
-def _train(model, opt, rank, ws, device, clip=None):
+def _train(model, opt, rank, ws, device, clip=None, grad_scale=None):
     for step in range(STEPS):
         idx, tgt = (t.to(device) for t in local(global_batch(step), rank, ws))
         model(idx, tgt).backward()
         if clip is not None:
             model.clip_grad_norm_(clip) if hasattr(model, "clip_grad_norm_") else \
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if grad_scale is not None:
+            record_grad_scale(model.parameters(), grad_scale)
         opt.step()
         opt.zero_grad()
 
@@ -61,12 +65,17 @@ def _optimizer(params, mixed):
 def _reference(device, mixed, ws):
     """Single process on the global batch (fp32), or, mixed, what MixedPrecision(bf16, fp32)
     promises: each rank's forward/backward on bf16 copies of fp32 masters, fp32 mean of the
-    gradients; both clipped to 0.5."""
+    gradients; both clipped to 0.5. Returns test_zero.expected_state: each entry with its bound.
+    Gradients, relative: fp32, Net's reduction chain (test_zero.GRAD_RTOL); mixed, a bf16 cast of
+    masters that differ by rounding may land one bf16 ulp apart, and ws fp32 values are averaged in
+    another order; both, the clip's norm is a sum of NUM_PARAMS squares in another order."""
     master = _net(device)
     opt = _optimizer(master.parameters(), mixed)
+    scale = {}
+    clip_rtol = chain_rtol(NUM_PARAMS)
     if not mixed:
-        _train(master, opt, 0, 1, device, clip=0.5)
-        return master.state_dict()
+        _train(master, opt, 0, 1, device, clip=0.5, grad_scale=scale)
+        return expected_state(master, opt, scale, STEPS, GRAD_RTOL + clip_rtol)
     for step in range(STEPS):
         grads = []
         for r in range(ws):
@@ -77,9 +86,10 @@ def _reference(device, mixed, ws):
         for p, gs in zip(master.parameters(), zip(*grads)):
             p.grad = sum(gs) / ws
         torch.nn.utils.clip_grad_norm_(master.parameters(), 0.5)
+        record_grad_scale(master.parameters(), scale)
         opt.step()
         opt.zero_grad()
-    return master.state_dict()
+    return expected_state(master, opt, scale, STEPS, eps(torch.bfloat16) + (ws + 1) * eps() + clip_rtol)
 
 
 def _case(rank, ws):
@@ -99,9 +109,7 @@ def _case(rank, ws):
                 sd = model.full_state_dict()
                 if stage == 3:
                     assert not any(u.is_allocated for u in model.units), "stage 3 must free its units"
-                for k, v in refs[mixed].items():
-                    torch.testing.assert_close(sd[k], v.cpu(), atol=1e-4 if mixed else 1e-5, rtol=0,
-                                               msg=lambda m: f"stage {stage} mixed={mixed} slow={slow} [{k}]: {m}")
+                assert_close(sd, refs[mixed], f"stage {stage} mixed={mixed} slow={slow}")
     return True
 
 
@@ -126,7 +134,7 @@ def _conditional_case(rank, ws):
     """On NCCL: blocks skipped on some ranks (the all-gathers and reduce-scatters interleave
     differently there: no hang, on a second communicator), with the embedding and the head as
     their own units; parameters equal one process averaging each rank's own gradient (fp32)."""
-    from test_zero_real_clients import PARAM_TOL, _Branchy, batch
+    from test_zero_real_clients import _Branchy, batch, check_against
     torch.backends.cuda.matmul.allow_tf32 = False
     device = pynccl.get_device()
     skips = [lambda r: (1,) if r == 1 else (), lambda r: (0, 2), lambda r: (2,) if r % 2 == 0 else ()]
@@ -135,16 +143,16 @@ def _conditional_case(rank, ws):
     model = pynccl.FullyShardedDataParallel(_Branchy(), stage=3)
     assert len(model.units) == 5, model.units
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scale = {}
     for step, skip in enumerate(skips):
         x = batch(step).to(device)
         n = x.shape[0] // ws
         sum(ref(x[r * n:(r + 1) * n], skip(r)) for r in range(ws)).div(ws).backward()
         model(x[rank * n:(rank + 1) * n], skip(rank)).backward()
+        record_grad_scale(ref.parameters(), scale)
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
-    full = model.full_state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(full[k], v.cpu(), atol=PARAM_TOL, rtol=0, msg=lambda m: f"conditional [{k}]: {m}")
+    check_against("conditional", model.full_state_dict(), ref, ref_opt, scale, len(skips))
     return True
 
 
