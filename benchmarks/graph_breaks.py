@@ -10,7 +10,8 @@
 on a tiny HF Llama, a tiny HF GPT-2 and nanoGPT's GPT (benchmarks/nanogpt_model.py), under pynccl
 DDP, ZeRO-1/2/3 and TP (plans.llama / plans.gpt2; nanoGPT's attention derives its head size from
 its input width, which TP splits, so it has no plan), next to the unwrapped model ("none") and
-torch's counterparts (torch-ddp; fsdp2, wrapped as torchtitan wraps it) compiled the same way. Each case starts from a reset dynamo and trains 3 steps (AdamW). A row:
+torch's counterparts (torch-ddp; fsdp2, wrapped as torchtitan wraps it) compiled the same way.
+Each case starts from a reset dynamo and trains 3 steps (AdamW). A row:
 
   breaks     graph breaks (each splits the captured code: a resume function, guards, and no
              fusion across it)
@@ -210,8 +211,9 @@ def run_case(model_name: str, wrapper: str, mode: str, args, device, rank: int, 
     reasons = collections.Counter()
     for reason, n in counters["graph_break"].items():
         reasons[_short(reason)] += n
+    graphs = int(counters["stats"]["unique_graphs"])
     return dict(model=model_name, wrapper=wrapper, mode=mode, breaks=int(sum(counters["graph_break"].values())),
-                graphs=int(counters["stats"]["unique_graphs"]), recompiled=int(counters["stats"]["unique_graphs"] - first),
+                graphs=graphs, recompiled=graphs - first,
                 ops=tally["ops_run"] - ops_before_last, compiled=tally["compiled"], limit_hits=limit.hits,
                 reasons=[[n, r] for r, n in reasons.most_common()])
 

@@ -95,8 +95,10 @@ def patched_train_py(source: str, variant: str, device: str) -> str:
     if variant == "pynccl-ddp":
         source = swap(source, IMPORT, "from pynccl import DistributedDataParallel as DDP\n")
     elif variant.startswith("zero"):
-        source = swap(source, IMPORT, f"from nanogpt_swap import zero_wrapper\nDDP = zero_wrapper({int(variant[-1])})\n")
-        source = swap(source, CLIP, CLIP.replace("torch.nn.utils.clip_grad_norm_", "__import__('pynccl').clip_grad_norm_"))
+        stage = int(variant[-1])
+        source = swap(source, IMPORT, f"from nanogpt_swap import zero_wrapper\nDDP = zero_wrapper({stage})\n")
+        source = swap(source, CLIP, CLIP.replace("torch.nn.utils.clip_grad_norm_",
+                                                 "__import__('pynccl').clip_grad_norm_"))
     if device == "cpu":
         for old, new in CPU_PATCHES:
             source = swap(source, old, new)
@@ -165,7 +167,11 @@ def run_variant(variant: str, args, settings: dict, run_root: str) -> dict:
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "train.py"] + [f"--{k}={v}" for k, v in settings.items()]
-    proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        proc = subprocess.CompletedProcess(cmd, 124, out, f"nanogpt_swap: timed out after {args.timeout:g} s")
     log = proc.stdout + proc.stderr
     with open(os.path.join(folder, "log.txt"), "w") as f:
         f.write(" ".join(cmd) + "\n" + log)
@@ -187,7 +193,8 @@ def summarise(rows, settings: dict, args) -> list:
     """Median ms per iteration after --skip iterations (compilation), tokens/s per GPU, MFU,
     and each variant's largest relative loss difference from torch DDP's, step by step."""
     from train_bench_lib import mfu
-    tokens_iter = int(settings["batch_size"]) * int(settings["block_size"]) * int(settings["gradient_accumulation_steps"])
+    tokens_iter = (int(settings["batch_size"]) * int(settings["block_size"])
+                   * int(settings["gradient_accumulation_steps"]))
     flops = nanogpt_flops_per_token(dict(settings, vocab=vocab_for(args)))
     peak = _peak(args.device) if settings.get("dtype", "bfloat16") == "bfloat16" else None
     ref = next((r for r in rows if r["variant"] == "torch-ddp" and not r.get("error")), None)
@@ -207,7 +214,8 @@ def summarise(rows, settings: dict, args) -> list:
             r["max_loss_rdiff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:n], ref["losses"][:n]))
             r["ms_vs_torch"] = r["median_ms"] / ref["median_ms"]
             if r["max_loss_rdiff"] > args.loss_rtol or n < len(ref["losses"]):
-                problems.append(f"{r['variant']}: losses {r['losses']} vs torch DDP's {ref['losses']} (largest relative "
+                problems.append(f"{r['variant']}: losses {r['losses']} vs torch DDP's {ref['losses']} (largest "
+                                f"relative "
                                 f"difference {r['max_loss_rdiff']:.2e} > {args.loss_rtol:g}, or fewer iterations)")
     return problems
 
@@ -236,7 +244,8 @@ def _peak(device: str):
 
 def print_table(rows, settings: dict) -> None:
     print(f"# nanoGPT train.py, wrapper swapped: n_layer {settings['n_layer']}, n_embd {settings['n_embd']}, "
-          f"batch {settings['batch_size']} x {settings['block_size']} per rank, compile={settings.get('compile', True)}, "
+          f"batch {settings['batch_size']} x {settings['block_size']} per rank, "
+          f"compile={settings.get('compile', True)}, "
           f"dtype {settings.get('dtype', 'bfloat16')}")
     print(f"{'variant':<12}{'iters':>6}{'median ms':>11}{'vs torch':>10}{'tok/s/GPU':>11}{'MFU':>7}{'first loss':>12}"
           f"{'last loss':>11}{'max rel diff':>14}")
@@ -264,7 +273,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a train.py setting")
     p.add_argument("--skip", type=int, default=5, help="iterations left out of the timing (compilation)")
     p.add_argument("--loss-rtol", type=float, default=0.02)
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per variant")
     p.add_argument("--run-dir", default=os.path.join(HERE, "results", "nanogpt_runs"))
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -278,7 +287,12 @@ def main(argv=None) -> int:
     settings = settings_for(args)
     tokens = 50 * int(settings["block_size"]) * int(settings["batch_size"]) * args.nproc
     write_data(os.path.join(args.run_dir, "data"), max(tokens, 100_000), vocab_for(args))
-    rows = [run_variant(v, args, settings, args.run_dir) for v in variants]
+    rows = []
+    for v in variants:                 # one line each as they finish: a run cut short keeps the others'
+        rows.append(run_variant(v, args, settings, args.run_dir))
+        r = rows[-1]
+        print(f"# {v}: rc {r['rc']}, {len(r['losses'])} iterations, losses {r['losses'][:1]}..{r['losses'][-1:]}, "
+              f"ms {r['ms'][-3:]}{'; ' + r['error'] if r.get('error') else ''}", flush=True)
     problems = summarise(rows, settings, args)
     print_table(rows, settings)
     for line in problems:

@@ -22,7 +22,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >>"$O/versi
 cat "$O/versions.txt"
 
 GPT2M="--model hf-gpt2 --hidden 1024 --layers 24 --heads 16 --vocab 50257 --seq 1024 --batch 8"
-L1B="--model hf-llama --hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 32000 --seq 2048 --batch 4"
+L1B="--model hf-llama --hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 --vocab 32000"
+L1B="$L1B --seq 2048 --batch 4"
 STEPS="--warmup 3 --steps 10"
 FAILED=0
 PORT=29711
@@ -56,28 +57,31 @@ bench llama1b 270 "$N" $L1B --strategy tp,tp-sp-async,zero3 --compile both
 # 3. The one-GPU reference of the same per-rank batch: TP scaling (tp 2 step <= 0.6 x this) and the
 #    no-communication floor of ZeRO-3 (~1.5 min).
 bench llama1b_1gpu 120 1 $L1B --strategy tp --compile both
-# 4. nanoGPT's own train.py (GPT-2 124M, compile=True), the wrapper swapped (~3 min).
+# 4. nanoGPT's own train.py (GPT-2 124M, compile=True), the wrapper swapped (~4 min: each variant
+#    starts and compiles on its own; the most telling first, a line each as they finish).
 if wanted nanogpt; then
   if [ -f benchmarks/results/nanogpt/train.py ]; then
-    cap=$(capped nanogpt 240)
+    cap=$(capped nanogpt 300)
     if [ "$cap" != 0 ]; then
       t0=$SECONDS
       timeout -k 10 "$cap" python3 benchmarks/nanogpt_swap.py --nproc "$N" --json "$O/extra/nanogpt.json" \
+        --variants torch-ddp,pynccl-ddp,zero3,zero1,zero2 --timeout 150 \
         --run-dir "$O/nanogpt_runs" >"$O/nanogpt.log" 2>&1
-      rc=$?; echo "=== nanogpt rc=$rc $((SECONDS - t0))s (cap $cap)"; cat "$O/nanogpt.log" | tail -12
+      rc=$?; echo "=== nanogpt rc=$rc $((SECONDS - t0))s (cap $cap)"; grep -v "^\[" "$O/nanogpt.log" | tail -16
       [ "$rc" = 0 ] || FAILED=1
     fi
   else
     echo "=== nanogpt: skipped (benchmarks/results/nanogpt/train.py missing; see nanogpt_swap.py)"
   fi
 fi
-# 5. Graph breaks on the nccl backend (tiny models; aot_eager, ~1 min).
+# 5. Graph breaks on the nccl backend (a tiny Llama; aot_eager, ~40 s).
 if wanted graph_breaks; then
   cap=$(capped graph_breaks 90)
   if [ "$cap" != 0 ]; then
     t0=$SECONDS
     timeout -k 10 "$cap" torchrun --nproc_per_node "$N" --master_port $((PORT + 50)) benchmarks/graph_breaks.py \
-      --device cuda --models hf-llama,nanogpt --json "$O/extra/graph_breaks.json" >"$O/graph_breaks.log" 2>&1
+      --device cuda --models hf-llama --wrappers none,ddp,zero3,tp,torch-ddp,fsdp2 --modes whole,blocks \
+      --json "$O/extra/graph_breaks.json" >"$O/graph_breaks.log" 2>&1
     rc=$?; echo "=== graph_breaks rc=$rc $((SECONDS - t0))s (cap $cap)"
     sed -n '/^model /,/^$/p' "$O/graph_breaks.log"
     [ "$rc" = 0 ] || FAILED=1

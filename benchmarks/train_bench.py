@@ -65,8 +65,8 @@ RUNNERS = {"pynccl": pynccl_runners.build, "torch": torch_runners.build}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a Hugging Face model with pynccl and with torch, one row each.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--strategy", default="zero3", help="comma list of " + ", ".join(STRATEGIES) + ", or all (all but the -graphs "
-                   "ones, which need CUDA, and tp-sp-async, which needs --compile)")
+    p.add_argument("--strategy", default="zero3", help="comma list of " + ", ".join(STRATEGIES) + ", or all (all but "
+                   "the -graphs ones, which need CUDA, and tp-sp-async, which needs --compile)")
     p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
                    help="compile each side as its users do (on), or run eager and compiled rows (both)")
     p.add_argument("--compile-backend", default="inductor",

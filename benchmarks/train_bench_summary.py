@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     problems = []
     print(f"{'run':<22}" + report.HEADER)
     result = None
+    everything = []
     for path in paths:
         run = os.path.splitext(os.path.basename(path))[0]
         with open(path) as f:
@@ -40,11 +41,20 @@ def main(argv=None) -> int:
             if r.get("error"):
                 problems.append(f"{run}: {r['strategy']} {r['impl']} failed: {r['error']}")
         problems += report.loss_problems(rows, args.loss_rtol, prefix=f"{run}: ")
+        everything += [dict(r, run=run, model_shape=_shape(result)) for r in rows]
     print(f"# {result['world_size']} × {result['device']}, torch {result['torch']} (NCCL {result['torch_nccl']}), "
           f"pynccl NCCL runtime {result['nccl_runtime']}, transformers {result['transformers']} (last file's header)")
+    for line in report.tp_scaling(everything):
+        print(line)
     for line in problems:
         print("PROBLEM:", line)
     return 1 if problems else 0
+
+
+def _shape(result: dict) -> tuple:
+    """What makes two files' rows the same training: the model and the batch per replica."""
+    return tuple(result.get(k) for k in ("model", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab",
+                                         "seq", "batch", "dtype"))
 
 
 if __name__ == "__main__":

@@ -163,3 +163,26 @@ def test_async_tp_needs_compile_and_cuda(tmp_path):
     assert "run it with --compile" in result["rows"][0]["error"]
     result = _rows(tmp_path, ["--nproc", "2", "--strategy", "tp-sp-async", "--impl", "torch", "--compile"])
     assert "needs CUDA" in result["rows"][0]["error"]
+
+
+def test_tp_scaling_against_the_one_gpu_run(tmp_path, capsys):
+    """train_bench_summary: every tp row over the one-GPU plain model of the same shape and mode,
+    from another file of the same run directory; rows of another shape or mode are not compared."""
+    import train_bench_summary
+
+    def row(strategy, impl, layout, ms, compiled=False):
+        return dict(strategy=strategy, impl=impl, layout=layout, median_ms=ms, min_ms=ms, tokens_per_s=1.0,
+                    peak_gib=None, loss=2.0, compiled=compiled, recipe="eager")
+    head = dict(world_size=2, device="cpu", torch="t", torch_nccl="n", nccl_runtime="n", transformers="x",
+                model="hf-llama", hidden=64, layers=4, heads=4, kv_heads=2, intermediate=128, vocab=128, seq=32,
+                batch=4, dtype="bf16")
+    (tmp_path / "a_tp2.json").write_text(json.dumps(dict(head, rows=[
+        row("tp", "pynccl", "tp2", 60.0), row("tp", "torch", "tp2", 90.0), row("tp", "pynccl", "tp2", 50.0, True)])))
+    (tmp_path / "b_1gpu.json").write_text(json.dumps(dict(head, world_size=1, rows=[
+        row("tp", "pynccl", "1", 100.0), row("tp", "torch", "1", 100.0)])))
+    (tmp_path / "c_other.json").write_text(json.dumps(dict(head, batch=8, rows=[row("tp", "torch", "1", 10.0)])))
+    assert train_bench_summary.main([str(tmp_path)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("TP scaling")]
+    assert len(lines) == 2, lines                       # the compiled row has no compiled one-GPU reference
+    assert "pynccl TP (eager) at tp 2: 60.00 ms = 0.600 x the one-GPU 100.00 ms (b_1gpu); efficiency 83%" in lines[0]
+    assert "DTensor TP (eager) at tp 2: 90.00 ms = 0.900 x" in lines[1]

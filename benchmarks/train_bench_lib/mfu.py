@@ -65,7 +65,8 @@ def hf_flops_per_token(config, seq: int) -> int:
     """The formula for a transformers LlamaConfig / GPT2Config (the model is built on the meta
     device: no memory, no init)."""
     import transformers
-    cls = transformers.LlamaForCausalLM if isinstance(config, transformers.LlamaConfig) else transformers.GPT2LMHeadModel
+    llama = isinstance(config, transformers.LlamaConfig)
+    cls = transformers.LlamaForCausalLM if llama else transformers.GPT2LMHeadModel
     with torch.device("meta"):
         model = cls(config)
     heads = config.num_attention_heads

@@ -63,7 +63,10 @@ def pp_schedule(strategy: str):
 
 
 def parse_strategies(text: str):
-    names = [s for s in STRATEGIES if not s.endswith(EXPLICIT_ONLY)] if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    if text == "all":
+        names = [s for s in STRATEGIES if not s.endswith(EXPLICIT_ONLY)]
+    else:
+        names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in STRATEGIES]
     if bad or not names:
         raise ValueError(f"--strategy: unknown {bad or text!r}; expected a comma list of "

@@ -65,13 +65,34 @@ def loss_problems(rows: List[dict], rtol: float, prefix: str = "") -> List[str]:
     return problems
 
 
+def tp_scaling(rows: List[dict]) -> List[str]:
+    """TP's scaling against its one-GPU reference (rows of several runs, each with "run" and
+    "model_shape"): a tp / tp-sp row's median step over the one-GPU plain model's (tp at world size
+    1, torch's side) of the same model and per-rank batch, in the same mode; issue 27's target is
+    <= 0.6 at tp 2 (a scaling efficiency of >= 83 %)."""
+    ref = {(r["model_shape"], bool(r.get("compiled"))): r for r in rows
+           if r["strategy"] == "tp" and r["impl"] == "torch" and r["layout"] == "1" and not r.get("error")}
+    out = []
+    for r in rows:
+        one = ref.get((r["model_shape"], bool(r.get("compiled"))))
+        if one is None or r.get("error") or not r["strategy"].startswith("tp") or not r["layout"].startswith("tp"):
+            continue
+        tp = int(r["layout"][2:])
+        ratio = r["median_ms"] / one["median_ms"]
+        out.append(f"TP scaling: {r['run']} {r['strategy']} {runs_as(r['strategy'], r['impl'], r['layout'])} "
+                   f"({r.get('recipe', 'eager')}) at tp {tp}: {r['median_ms']:.2f} ms = {ratio:.3f} x the one-GPU "
+                   f"{one['median_ms']:.2f} ms ({one['run']}); efficiency {1 / (tp * ratio):.0%}")
+    return out
+
+
 HEADER = (f"{'strategy':<13}{'runs':<27}{'mode':<26}{'layout':<8}{'tokens/s':>10}{'tok/s/GPU':>10}{'MFU':>7}"
           f"{'median ms':>10}{'min ms':>9}{'peak GiB':>9}{'loss':>8}{'ms vs torch':>12}{'wall ms':>9}"
           f"{'wall vs torch':>14}{'breaks':>7}")
 
 
 def _opt(value, fmt: str, width: int) -> str:
-    return f"{'-' if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt):>{width}}"
+    missing = value is None or (isinstance(value, float) and math.isnan(value))
+    return f"{'-' if missing else format(value, fmt):>{width}}"
 
 
 def format_row(r: dict) -> str:
