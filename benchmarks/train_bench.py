@@ -21,13 +21,27 @@ Pairs (--strategy, a comma list or all):
                        pynccl's stages replay CUDA graphs (PipelineStage(cuda_graph=True)) against
                        torch's same schedule, eager
   tp2xdp2              pynccl TP (tp 2) + ZeRO-3 (dp world/2) vs DTensor TP + FSDP2 on a 2-D mesh
+  tp-sp-async          (--compile only) pynccl TP+SP vs DTensor TP+SP with inductor's async TP
+The torch side is the matching algorithm at its best (torch_runners.py): ZeRO-1 against DDP +
+ZeroRedundancyOptimizer, ZeRO-2 against FSDP2 with reshard_after_forward=False, ZeRO-3 against FSDP2
+wrapped as torchtitan wraps it (embedding, [norm, head] unresharded, each block, the root); tp at
+one GPU against the plain model (TP scaling's reference).
+
+--compile [on|both]: each side compiled as its users compile it (train_bench_lib/compile_recipes.py:
+torch.compile(model) inside DDP for DDP and ZeRO-1, as nanoGPT; each block compiled before sharding
+and after TP for the rest, as torchtitan); "both" adds the compiled rows to the eager ones. Each
+build starts from a reset dynamo and its row reports the graph breaks; pipelines stay eager.
 --batch is sequences per model replica (per data-parallel rank), so tokens/s counts the whole job:
-batch × seq × dp / step time. Every step uses the same batch (per replica): the loss falls, and
-the two sides' losses compare (equal in fp32, within bf16 noise in bf16).
+batch × seq × dp / step time; tok/s/GPU divides by the world size, and MFU is torchtitan's
+(train_bench_lib/mfu.py: (6·N + 12·L·H·D·T) flops per token × tok/s/GPU over the GPU's dense bf16
+peak; n/a on an unknown GPU, on CPU and in fp32). Every step uses the same batch (per replica):
+the loss falls, and the two sides' losses compare (equal in fp32, within bf16 noise in bf16); so do
+a side's compiled and eager losses. Losses further apart than --loss-rtol are printed as PROBLEM.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -40,7 +54,7 @@ import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 
 import pynccl  # noqa: E402
-from train_bench_lib import pynccl_runners, report, timeline, torch_runners  # noqa: E402
+from train_bench_lib import compile_recipes, mfu, pynccl_runners, report, timeline, torch_runners  # noqa: E402
 from train_bench_lib.harness import free_device_memory, measure, pool  # noqa: E402
 from train_bench_lib.models import (DEFAULTS, MODELS, STRATEGIES, BenchContext, hf_config,  # noqa: E402
                                     layout_of, num_params, parse_strategies, preload)
@@ -51,8 +65,14 @@ RUNNERS = {"pynccl": pynccl_runners.build, "torch": torch_runners.build}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a Hugging Face model with pynccl and with torch, one row each.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--strategy", default="zero3", help="comma list of " + ", ".join(STRATEGIES) + ", or all (all but the -graphs ones, "
-                   "which need CUDA)")
+    p.add_argument("--strategy", default="zero3", help="comma list of " + ", ".join(STRATEGIES) + ", or all (all but "
+                   "the -graphs ones, which need CUDA, and tp-sp-async, which needs --compile)")
+    p.add_argument("--compile", nargs="?", const="on", default="off", choices=["off", "on", "both"],
+                   help="compile each side as its users do (on), or run eager and compiled rows (both)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend (inductor; the CPU tests use aot_eager)")
+    p.add_argument("--loss-rtol", type=float, default=0.02,
+                   help="final losses of a pair, or of a side compiled and eager, further apart are a PROBLEM")
     p.add_argument("--impl", choices=["both", "pynccl", "torch"], default="both")
     p.add_argument("--model", choices=MODELS, default="hf-llama")
     for name in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab", "seq"):
@@ -86,6 +106,7 @@ def parse_args(argv=None):
     args.strategies = parse_strategies(args.strategy)
     if args.dtype is None:
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    args.modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     return args
 
 
@@ -109,7 +130,8 @@ def init_distributed(args) -> BenchContext:
     if args.device == "cuda":
         if not torch.cuda.is_available():
             sys.exit("train_bench: --device cuda needs GPUs (use --device cpu for a gloo run)")
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")               # never NVLink multicast on lent GPUs
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -133,8 +155,12 @@ def header(ctx: BenchContext) -> dict:
         nccl = f"n/a ({type(e).__name__})"
     gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     sizes = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq")}
+    # MFU against the dense bf16 peak only means something for bf16 training on a known GPU.
+    peak = mfu.peak_bf16_flops(gpu) if ctx.device.type == "cuda" and ctx.bf16 else None
     return dict(torch=torch.__version__, transformers=transformers.__version__, nccl_runtime=nccl,
                 torch_nccl=torch_runners.torch_nccl_version(), device=gpu, world_size=ctx.world_size,
+                flops_per_token=mfu.hf_flops_per_token(hf_config(args), args.seq), peak_bf16_flops=peak,
+                compile=args.compile, compile_backend=args.compile_backend,
                 model=args.model, params=num_params(hf_config(args)), batch=args.batch, steps=args.steps,
                 warmup=args.warmup, microbatches=args.microbatches, dtype=args.dtype, optim=args.optim_impl,
                 zero12_optim=args.optim_impl if args.zero12_optim_impl == "same" else args.zero12_optim_impl, **sizes)
@@ -146,19 +172,30 @@ def print_header(h: dict) -> None:
           f"batch {h['batch']}/replica, {h['dtype']}, AdamW {h['optim']}, {h['warmup']}+{h['steps']} steps")
     print(f"# {h['world_size']} × {h['device']}; torch {h['torch']} (NCCL {h['torch_nccl']}), pynccl NCCL runtime "
           f"{h['nccl_runtime']}, transformers {h['transformers']}")
+    peak = "n/a" if h["peak_bf16_flops"] is None else f"{h['peak_bf16_flops'] / 1e12:.0f} TFLOP/s"
+    print(f"# MFU: {h['flops_per_token'] / 1e9:.3f} GFLOP per token (6·N + 12·L·H·D·T) over the dense bf16 peak "
+          f"({peak}); compile: {h['compile']} (backend {h['compile_backend']})")
 
 
 def run_one(ctx: BenchContext, strategy: str, impl: str) -> dict:
     layout = layout_of(strategy, ctx.world_size)
-    row = dict(strategy=strategy, impl=impl, runs=report.runs_as(strategy, impl), layout=str(layout))
+    row = dict(strategy=strategy, impl=impl, layout=str(layout), compiled=ctx.compiled,
+               recipe=compile_recipes.EAGER, runs=report.runs_as(strategy, impl, str(layout)))
     trainer = None
     try:
         check_sizes(ctx.args, strategy, ctx.world_size)
+        if ctx.compiled and strategy.startswith("pp-"):
+            raise ValueError("no compiled recipe for pipelines (eager only)")
+        if ctx.compiled:
+            compile_recipes.reset()
         free_device_memory(ctx)
         base = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
         trainer = RUNNERS[impl](strategy, ctx)
+        row["recipe"] = trainer.recipe
         free_device_memory(ctx)            # what the build left behind (a whole model before sharding)
         row.update(measure(trainer, ctx, ctx.args.batch * ctx.args.seq * layout.dp, base))
+        if ctx.compiled:
+            row.update(compile_recipes.stats())
         if ctx.args.timeline and trainer.instrument is not None and ctx.device.type == "cuda":
             tl = timeline.Timeline()
             trainer.instrument(tl)
@@ -167,8 +204,18 @@ def run_one(ctx: BenchContext, strategy: str, impl: str) -> dict:
         if ctx.rank == 0:
             traceback.print_exc()
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    if trainer is not None and trainer.close is not None:
+        trainer.close()
     del trainer
     free_device_memory(ctx)
+    return row
+
+
+def add_throughput(row: dict, world_size: int, h: dict) -> dict:
+    """tokens/s per GPU and MFU of a (pooled) row."""
+    if not row.get("error"):
+        row["tokens_per_s_gpu"] = row["tokens_per_s"] / world_size
+        row["mfu"] = mfu.mfu(h["flops_per_token"], row["tokens_per_s_gpu"], h["peak_bf16_flops"])
     return row
 
 
@@ -181,21 +228,27 @@ def worker(rank, world_size, args):
         print(report.HEADER, flush=True)
     rows = []
     for strategy in args.strategies:
-        runs = {impl: [] for impl in impls}
-        for _ in range(args.repeats):              # the sides alternate, so drift hits both alike
+        for compiled in args.modes:
+            if strategy.endswith("-async") and not compiled and len(args.modes) > 1:
+                continue                               # --compile both: async TP has no eager row
+            mode_ctx = dataclasses.replace(ctx, compiled=compiled)
+            runs = {impl: [] for impl in impls}
+            for _ in range(args.repeats):              # the sides alternate, so drift hits both alike
+                for impl in impls:
+                    runs[impl].append(run_one(mode_ctx, strategy, impl))
+                    if ctx.rank == 0 and args.repeats > 1:
+                        print("# run: " + report.format_row(runs[impl][-1]), flush=True)
             for impl in impls:
-                runs[impl].append(run_one(ctx, strategy, impl))
-                if ctx.rank == 0 and args.repeats > 1:
-                    print("# run: " + report.format_row(runs[impl][-1]), flush=True)
-        for impl in impls:
-            rows.append(pool(runs[impl]))
-            if ctx.rank == 0:
-                print(report.format_row(rows[-1]), flush=True)
+                rows.append(add_throughput(pool(runs[impl]), ctx.world_size, h))
+                if ctx.rank == 0:
+                    print(report.format_row(rows[-1]), flush=True)
     report.add_ratios(rows)
     if ctx.rank == 0:
-        print("\n# summary (ms vs torch: pynccl's median step time over torch's; wall ms: the timed steps' wall "
-              "time / steps, barrier to barrier)")
+        print("\n# summary (ms vs torch: pynccl's median step time over torch's, same mode; wall ms: the timed "
+              "steps' wall time / steps, barrier to barrier; breaks: graph breaks while compiling)")
         report.print_table(rows)
+        for line in report.loss_problems(rows, args.loss_rtol):
+            print("PROBLEM:", line)
         if args.json:
             report.write_json(args.json, h, rows)
         if args.plot:

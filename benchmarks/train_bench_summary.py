@@ -1,7 +1,7 @@
 """One table from every train_bench JSON in a directory (what gpu_suite.py's train groups leave), and the
-verdict: exit 1 if a row failed, or if a pair's losses after the last step differ by more than
---loss-rtol (bf16 noise after a few steps is well under 1 %; a pair that does not train alike is
-far over).
+verdict: exit 1 if a row failed, or if a pair's losses after the last step (pynccl against torch in
+one mode, a side compiled against the same side eager) differ by more than --loss-rtol (bf16 noise
+after a few steps is well under 1 %; a pair that does not train alike is far over).
 
     python benchmarks/train_bench_summary.py OUTDIR
 """
@@ -26,6 +26,8 @@ def main(argv=None) -> int:
         return 1
     problems = []
     print(f"{'run':<22}" + report.HEADER)
+    result = None
+    everything = []
     for path in paths:
         run = os.path.splitext(os.path.basename(path))[0]
         with open(path) as f:
@@ -38,17 +40,21 @@ def main(argv=None) -> int:
             print(f"{run:<22}" + report.format_row(r))
             if r.get("error"):
                 problems.append(f"{run}: {r['strategy']} {r['impl']} failed: {r['error']}")
-        final = {(r["strategy"], r["impl"]): r.get("loss") for r in rows if not r.get("error")}
-        for (strategy, impl), loss in final.items():
-            theirs = final.get((strategy, "torch"))
-            if impl == "pynccl" and theirs is not None and abs(loss - theirs) > args.loss_rtol * abs(theirs):
-                problems.append(f"{run}: {strategy}: loss {loss:.4f} (pynccl) vs {theirs:.4f} (torch), "
-                                f"more than {args.loss_rtol:.0%} apart")
+        problems += report.loss_problems(rows, args.loss_rtol, prefix=f"{run}: ")
+        everything += [dict(r, run=run, model_shape=_shape(result)) for r in rows]
     print(f"# {result['world_size']} × {result['device']}, torch {result['torch']} (NCCL {result['torch_nccl']}), "
           f"pynccl NCCL runtime {result['nccl_runtime']}, transformers {result['transformers']} (last file's header)")
+    for line in report.tp_scaling(everything):
+        print(line)
     for line in problems:
         print("PROBLEM:", line)
     return 1 if problems else 0
+
+
+def _shape(result: dict) -> tuple:
+    """What makes two files' rows the same training: the model and the batch per replica."""
+    return tuple(result.get(k) for k in ("model", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab",
+                                         "seq", "batch", "dtype"))
 
 
 if __name__ == "__main__":

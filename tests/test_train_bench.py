@@ -29,8 +29,9 @@ REL = transformer_rtol(4, 64, 128, 16, 32, 128, 4 * 32)
 
 
 def test_strategies_and_layouts():
-    # "all": every pair that runs on any device (the -graphs variants need CUDA).
-    assert parse_strategies("all") == [s for s in STRATEGIES if not s.endswith("-graphs")]
+    # "all": every pair that runs on any device in any mode (-graphs needs CUDA, tp-sp-async --compile).
+    assert parse_strategies("all") == [s for s in STRATEGIES if not s.endswith(("-graphs", "-async"))]
+    assert "tp-sp-async" in STRATEGIES and layout_of("tp-sp-async", 2) == Layout(tp=2)
     assert "pp-1f1b-graphs" in STRATEGIES and parse_strategies("pp-1f1b-graphs") == ["pp-1f1b-graphs"]
     assert pp_schedule("pp-1f1b-graphs") == ("1f1b", True) and pp_schedule("pp-interleaved") == ("interleaved", False)
     assert layout_of("pp-gpipe-graphs", 4) == Layout(pp=4)
@@ -91,7 +92,7 @@ def test_train_bench_pairs_agree_on_gloo(tmp_path, capfd):
     assert rows[("ddp", "pynccl")]["layout"] == "dp2" and rows[("pp-1f1b", "torch")]["layout"] == "pp2"
     # The summary table: its header, then one line per row, in order.
     summary = printed[printed.index("# summary"):].splitlines()[2:8]
-    expected = ["pynccl DDP", "torch DDP", "pynccl ZeRO-3", "torch FSDP2", "pynccl 1F1B", "pipelining 1F1B"]
+    expected = ["pynccl DDP", "torch DDP", "pynccl ZeRO-3", "FSDP2 (titan wrap)", "pynccl 1F1B", "pipelining 1F1B"]
     assert [line.split()[0] for line in summary] == ["ddp", "ddp", "zero3", "zero3", "pp-1f1b", "pp-1f1b"]
     assert all(name in line for name, line in zip(expected, summary)), summary
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -12,14 +12,16 @@ from typing import Callable, Optional
 import torch
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "tp", "tp-sp", "pp-gpipe", "pp-1f1b", "pp-interleaved",
-              "pp-gpipe-graphs", "pp-1f1b-graphs", "pp-interleaved-graphs", "tp2xdp2"]
+              "pp-gpipe-graphs", "pp-1f1b-graphs", "pp-interleaved-graphs", "tp2xdp2", "tp-sp-async"]
+# Left out of --strategy all: the -graphs pairs need CUDA, tp-sp-async needs --compile.
+EXPLICIT_ONLY = ("-graphs", "-async")
 MODELS = ["hf-llama", "hf-gpt2"]
 # Flag defaults per model: a 1.1B Llama (Llama-3.2-1B's shape with a 32000 vocabulary) and GPT-2 medium.
 DEFAULTS = {
     "hf-llama": dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=32000, seq=2048),
     "hf-gpt2": dict(hidden=1024, layers=24, heads=16, kv_heads=None, intermediate=None, vocab=50257, seq=1024),
 }
-TP_STRATEGIES = ("tp", "tp-sp", "tp2xdp2")
+TP_STRATEGIES = ("tp", "tp-sp", "tp-sp-async", "tp2xdp2")
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Layout:
 def layout_of(strategy: str, world_size: int) -> Layout:
     if strategy in ("ddp", "zero1", "zero2", "zero3"):
         return Layout(dp=world_size)
-    if strategy in ("tp", "tp-sp"):
+    if strategy in ("tp", "tp-sp", "tp-sp-async"):
         return Layout(tp=world_size)
     if strategy.startswith("pp-"):
         return Layout(pp=world_size)
@@ -61,7 +63,10 @@ def pp_schedule(strategy: str):
 
 
 def parse_strategies(text: str):
-    names = [s for s in STRATEGIES if not s.endswith("-graphs")] if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    if text == "all":
+        names = [s for s in STRATEGIES if not s.endswith(EXPLICIT_ONLY)]
+    else:
+        names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in STRATEGIES]
     if bad or not names:
         raise ValueError(f"--strategy: unknown {bad or text!r}; expected a comma list of "
@@ -113,6 +118,8 @@ class Trainer:
     step: Callable[[], Optional[torch.Tensor]]
     keep: list = field(default_factory=list)     # what must stay alive while step() is used
     instrument: Optional[Callable] = None        # pipelines: instrument(timeline) times each action (--timeline)
+    close: Optional[Callable] = None             # undoes process-wide settings the build made (async TP's)
+    recipe: str = "eager"                        # how it was compiled (compile_recipes.py), for the table
 
 
 @dataclass
@@ -122,6 +129,7 @@ class BenchContext:
     world_size: int
     rank: int
     compute_dtype: torch.dtype          # bf16 (default on GPU) or fp32
+    compiled: bool = False              # build the side's torch.compile recipe (compile_recipes.py)
 
     @property
     def bf16(self) -> bool:
@@ -142,13 +150,17 @@ class BenchContext:
         g = torch.Generator().manual_seed(1000 * self.args.seed + dp_rank)
         return torch.randint(0, self.args.vocab, (self.args.batch, self.args.seq), generator=g).to(self.device)
 
-    def optimizer(self, params, impl: Optional[str] = None) -> torch.optim.Optimizer:
-        """AdamW as a training script writes it; impl: fused (default on GPU), foreach, for-loop."""
+    def adamw_kwargs(self, impl: Optional[str] = None) -> dict:
+        """AdamW's arguments as a training script writes them; impl: fused (default on GPU),
+        foreach, for-loop."""
         impl = impl or self.args.optim_impl
         if impl == "auto":
             impl = "fused" if self.device.type == "cuda" else "foreach"
         kw = dict(fused=True) if impl == "fused" else dict(foreach=impl == "foreach")
-        return torch.optim.AdamW(params, lr=self.args.lr, betas=(0.9, 0.95), weight_decay=0.1, **kw)
+        return dict(lr=self.args.lr, betas=(0.9, 0.95), weight_decay=0.1, **kw)
+
+    def optimizer(self, params, impl: Optional[str] = None) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, **self.adamw_kwargs(impl))
 
     def autocast(self, enabled: bool = True):
         """bf16 autocast for the strategies that keep fp32 parameters (DDP, TP, PP, as torchtitan

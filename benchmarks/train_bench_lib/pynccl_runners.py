@@ -2,7 +2,11 @@
 DistributedDataParallel; FullyShardedDataParallel(stage=k, MixedPrecision(bf16, fp32)) with the
 optimizer built from model.parameters(); tensor_parallel.parallelize_module with plans.llama; the
 pipeline schedules on pynccl.pipeline.hf's stages; ZeRO-3 over the dp group of a ParallelMesh on
-top of TP over its tp group.
+top of TP over its tp group. With ctx.compiled, as compile_recipes.py says: DDP and ZeRO-1 wrap
+torch.compile(model) (nanoGPT's order; neither needs per-block gradients: DDP's compiled graph is
+split at bucket boundaries by dynamo's DDPOptimizer, ZeRO-1 reduces after backward); ZeRO-2/3 and
+TP compile each block (torchtitan's recipe), so that blocks' gradients come out one block at a
+time and their reductions overlap the backward of the blocks before them.
 
 The tensor-parallel API (parallelize_module, plans.llama) comes with issue #18's TP work and is
 imported when a tp strategy runs, so the other strategies work in a checkout without it.
@@ -15,6 +19,7 @@ import pynccl
 from pynccl.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from pynccl.zero import MixedPrecision
 
+from . import compile_recipes as cr
 from .models import BenchContext, Trainer, hf_lm_step, pipeline_trainer, pp_schedule
 
 
@@ -23,8 +28,8 @@ def build(strategy: str, ctx: BenchContext) -> Trainer:
         return _ddp(ctx)
     if strategy.startswith("zero"):
         return _zero(ctx, int(strategy[-1]))
-    if strategy in ("tp", "tp-sp"):
-        return _tp(ctx, sequence_parallel=strategy == "tp-sp")
+    if strategy in ("tp", "tp-sp", "tp-sp-async"):            # no async TP: tp-sp-async's torch side has it
+        return _tp(ctx, sequence_parallel=strategy != "tp")
     if strategy.startswith("pp-"):
         return _pp(ctx, *pp_schedule(strategy))
     if strategy == "tp2xdp2":
@@ -34,22 +39,33 @@ def build(strategy: str, ctx: BenchContext) -> Trainer:
 
 def _ddp(ctx: BenchContext) -> Trainer:
     model = ctx.build_model("ddp")
+    model = cr.model_if_compiled(ctx, model)
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     model = pynccl.DistributedDataParallel(model, device_ids=ids)
     opt = ctx.optimizer(model.parameters())
-    return Trainer(hf_lm_step(ctx, model, opt, ctx.tokens(ctx.rank), autocast=True), [model, opt])
+    return Trainer(hf_lm_step(ctx, model, opt, ctx.tokens(ctx.rank), autocast=True), [model, opt],
+                   recipe=cr.recipe(ctx, cr.WHOLE))
 
 
 def _mixed_precision(ctx: BenchContext):
     return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if ctx.bf16 else None
 
 
+def _compiled_for_zero(ctx: BenchContext, model, stage: int):
+    """(model, recipe): ZeRO-1 wraps torch.compile(model), ZeRO-2/3 compile each block."""
+    if not ctx.compiled:
+        return model, cr.EAGER
+    if stage == 1:
+        return cr.compile_model(model, ctx.args.compile_backend), cr.WHOLE
+    return cr.compile_blocks(model, ctx.args.compile_backend), cr.BLOCKS
+
+
 def _zero(ctx: BenchContext, stage: int) -> Trainer:
-    model = pynccl.FullyShardedDataParallel(ctx.build_model(f"zero{stage}"), stage=stage,
-                                            mixed_precision=_mixed_precision(ctx))
+    model, recipe = _compiled_for_zero(ctx, ctx.build_model(f"zero{stage}"), stage)
+    model = pynccl.FullyShardedDataParallel(model, stage=stage, mixed_precision=_mixed_precision(ctx))
     impl = ctx.args.zero12_optim_impl if stage < 3 and ctx.args.zero12_optim_impl != "same" else None
     opt = ctx.optimizer(model.parameters(), impl=impl)
-    return Trainer(hf_lm_step(ctx, model, opt, ctx.tokens(ctx.rank), autocast=False), [model, opt])
+    return Trainer(hf_lm_step(ctx, model, opt, ctx.tokens(ctx.rank), autocast=False), [model, opt], recipe=recipe)
 
 
 def _tensor_parallel_api():
@@ -73,8 +89,10 @@ def _tp(ctx: BenchContext, sequence_parallel: bool) -> Trainer:
     _check_llama(ctx, "tp")
     model = parallelize_module(ctx.build_model("tp"), pynccl.get_default_group(),
                                plans.llama(sequence_parallel=sequence_parallel))
+    model = cr.blocks_if_compiled(ctx, model)
     opt = ctx.optimizer(model.parameters())
-    return Trainer(hf_lm_step(ctx, model, opt, ctx.tokens(0), autocast=True), [model, opt])
+    return Trainer(hf_lm_step(ctx, model, opt, ctx.tokens(0), autocast=True), [model, opt],
+                   recipe=cr.recipe(ctx, cr.BLOCKS))
 
 
 def _tp_zero3(ctx: BenchContext) -> Trainer:
@@ -82,10 +100,11 @@ def _tp_zero3(ctx: BenchContext) -> Trainer:
     _check_llama(ctx, "tp2xdp2")
     mesh = pynccl.ParallelMesh(dp=ctx.world_size // 2, tp=2)
     model = parallelize_module(ctx.build_model("tp2xdp2"), mesh.tp_group, plans.llama(sequence_parallel=False))
-    model = pynccl.FullyShardedDataParallel(model, stage=3, process_group=mesh.dp_group,
+    model = pynccl.FullyShardedDataParallel(cr.blocks_if_compiled(ctx, model), stage=3, process_group=mesh.dp_group,
                                             mixed_precision=_mixed_precision(ctx))
     opt = ctx.optimizer(model.parameters())
-    return Trainer(hf_lm_step(ctx, model, opt, ctx.tokens(mesh.dp_rank), autocast=False), [model, opt, mesh])
+    return Trainer(hf_lm_step(ctx, model, opt, ctx.tokens(mesh.dp_rank), autocast=False), [model, opt, mesh],
+                   recipe=cr.recipe(ctx, cr.BLOCKS))
 
 
 def _pp(ctx: BenchContext, kind: str, cuda_graph: bool) -> Trainer:

@@ -1,55 +1,110 @@
-"""train_bench's output: one table row per (strategy, side), the rows as JSON, a bar plot of
-tokens/s per strategy (pynccl next to torch)."""
+"""train_bench's output: one table row per (strategy, side, eager or compiled), the ratios of each
+pair, the loss checks, the rows as JSON, a bar plot of tokens/s per strategy (pynccl next to torch)."""
 from __future__ import annotations
 
 import json
 import math
 from typing import List
 
-# What each side runs, for the "runs" column.
+# What each side runs, for the "runs" column (the "mode" column says how it was compiled).
 PYNCCL_NAMES = {"ddp": "pynccl DDP", "zero1": "pynccl ZeRO-1", "zero2": "pynccl ZeRO-2", "zero3": "pynccl ZeRO-3",
-                "tp": "pynccl TP", "tp-sp": "pynccl TP+SP", "pp-gpipe": "pynccl GPipe", "pp-1f1b": "pynccl 1F1B",
-                "pp-interleaved": "pynccl interleaved 1F1B", "tp2xdp2": "pynccl TP + ZeRO-3",
+                "tp": "pynccl TP", "tp-sp": "pynccl TP+SP", "tp-sp-async": "pynccl TP+SP", "pp-gpipe": "pynccl GPipe",
+                "pp-1f1b": "pynccl 1F1B", "pp-interleaved": "pynccl interleaved 1F1B", "tp2xdp2": "pynccl TP + ZeRO-3",
                 "pp-gpipe-graphs": "pynccl GPipe, graphs", "pp-1f1b-graphs": "pynccl 1F1B, graphs",
                 "pp-interleaved-graphs": "pynccl interl. 1F1B, graphs"}
-TORCH_NAMES = {"ddp": "torch DDP", "zero1": "torch FSDP2", "zero2": "torch FSDP2", "zero3": "torch FSDP2",
-               "tp": "DTensor TP", "tp-sp": "DTensor TP+SP", "pp-gpipe": "pipelining GPipe",
+TORCH_NAMES = {"ddp": "torch DDP", "zero1": "DDP + ZeroRedundancyOpt", "zero2": "FSDP2 no reshard (titan)",
+               "zero3": "FSDP2 (titan wrap)", "tp": "DTensor TP", "tp-sp": "DTensor TP+SP",
+               "tp-sp-async": "DTensor TP+SP, async TP", "pp-gpipe": "pipelining GPipe",
                "pp-1f1b": "pipelining 1F1B", "pp-interleaved": "pipelining Interleaved1F1B",
-               "tp2xdp2": "FSDP2 + DTensor TP", "pp-gpipe-graphs": "pipelining GPipe",
+               "tp2xdp2": "FSDP2 (titan) + DTensor TP", "pp-gpipe-graphs": "pipelining GPipe",
                "pp-1f1b-graphs": "pipelining 1F1B", "pp-interleaved-graphs": "pipelining Interleaved1F1B"}
+ONE_GPU_TORCH = "plain model (1 GPU)"           # torch's side of tp at world size 1: no DTensor
 IMPLS = ("pynccl", "torch")
 
 
-def runs_as(strategy: str, impl: str) -> str:
+def runs_as(strategy: str, impl: str, layout: str = "") -> str:
+    if impl == "torch" and strategy in ("tp", "tp-sp") and layout == "1":
+        return ONE_GPU_TORCH
     return (PYNCCL_NAMES if impl == "pynccl" else TORCH_NAMES)[strategy]
 
 
+def _pair_key(r: dict):
+    return r["strategy"], bool(r.get("compiled"))
+
+
 def add_ratios(rows: List[dict]) -> None:
-    """On each pynccl row: its median step time over torch's for the same strategy (< 1: faster),
-    and the same for the wall time per step."""
-    ref = {r["strategy"]: r for r in rows if r["impl"] == "torch" and not r.get("error")}
+    """On each pynccl row: its median step time over torch's for the same strategy and mode
+    (eager / compiled; < 1: faster), and the same for the wall time per step."""
+    ref = {_pair_key(r): r for r in rows if r["impl"] == "torch" and not r.get("error")}
     for r in rows:
-        t = ref.get(r["strategy"])
+        t = ref.get(_pair_key(r))
         if r["impl"] == "pynccl" and t and not r.get("error"):
             r["ms_vs_torch"] = r["median_ms"] / t["median_ms"]
             if r.get("wall_ms") and t.get("wall_ms"):
                 r["wall_vs_torch"] = r["wall_ms"] / t["wall_ms"]
 
 
-HEADER = (f"{'strategy':<22}{'runs':<29}{'layout':<11}{'tokens/s':>11}{'median ms':>11}{'min ms':>9}"
-          f"{'peak GiB':>10}{'loss':>9}{'ms vs torch':>13}{'wall ms':>9}{'wall vs torch':>15}")
+def loss_problems(rows: List[dict], rtol: float, prefix: str = "") -> List[str]:
+    """Pairs that did not train alike: the final losses of pynccl and torch in one mode, and of
+    the compiled and the eager run of one side, more than rtol apart (relative). bf16 noise after
+    a dozen steps is well under 1 %; a side that trains differently is far over."""
+    final = {(r["strategy"], r["impl"], bool(r.get("compiled"))): r["loss"] for r in rows if not r.get("error")}
+    problems = []
+    for (strategy, impl, compiled), loss in final.items():
+        mode = "compiled" if compiled else "eager"
+        refs = []
+        if impl == "pynccl":
+            refs.append(((strategy, "torch", compiled), f"torch {mode}"))
+        if compiled:
+            refs.append(((strategy, impl, False), f"{impl} eager"))
+        for key, what in refs:
+            ref = final.get(key)
+            if ref is not None and abs(loss - ref) > rtol * abs(ref):
+                problems.append(f"{prefix}{strategy}: {impl} {mode} loss {loss:.4f} vs {what} {ref:.4f}, "
+                                f"more than {rtol:.0%} apart")
+    return problems
+
+
+def tp_scaling(rows: List[dict]) -> List[str]:
+    """TP's scaling against its one-GPU reference (rows of several runs, each with "run" and
+    "model_shape"): a tp / tp-sp row's median step over the one-GPU plain model's (tp at world size
+    1, torch's side) of the same model and per-rank batch, in the same mode; issue 27's target is
+    <= 0.6 at tp 2 (a scaling efficiency of >= 83 %)."""
+    ref = {(r["model_shape"], bool(r.get("compiled"))): r for r in rows
+           if r["strategy"] == "tp" and r["impl"] == "torch" and r["layout"] == "1" and not r.get("error")}
+    out = []
+    for r in rows:
+        one = ref.get((r["model_shape"], bool(r.get("compiled"))))
+        if one is None or r.get("error") or not r["strategy"].startswith("tp") or not r["layout"].startswith("tp"):
+            continue
+        tp = int(r["layout"][2:])
+        ratio = r["median_ms"] / one["median_ms"]
+        out.append(f"TP scaling: {r['run']} {r['strategy']} {runs_as(r['strategy'], r['impl'], r['layout'])} "
+                   f"({r.get('recipe', 'eager')}) at tp {tp}: {r['median_ms']:.2f} ms = {ratio:.3f} x the one-GPU "
+                   f"{one['median_ms']:.2f} ms ({one['run']}); efficiency {1 / (tp * ratio):.0%}")
+    return out
+
+
+HEADER = (f"{'strategy':<13}{'runs':<27}{'mode':<26}{'layout':<8}{'tokens/s':>10}{'tok/s/GPU':>10}{'MFU':>7}"
+          f"{'median ms':>10}{'min ms':>9}{'peak GiB':>9}{'loss':>8}{'ms vs torch':>12}{'wall ms':>9}"
+          f"{'wall vs torch':>14}{'breaks':>7}")
+
+
+def _opt(value, fmt: str, width: int) -> str:
+    missing = value is None or (isinstance(value, float) and math.isnan(value))
+    return f"{'-' if missing else format(value, fmt):>{width}}"
 
 
 def format_row(r: dict) -> str:
-    head = f"{r['strategy']:<22}{runs_as(r['strategy'], r['impl']):<29}{r['layout']:<11}"
+    head = (f"{r['strategy']:<13}{runs_as(r['strategy'], r['impl'], r.get('layout', '')):<27}"
+            f"{r.get('recipe', 'eager'):<26}{r['layout']:<8}")
     if r.get("error"):
         return head + f"FAILED: {r['error']}"
-    peak = "-" if math.isnan(r["peak_gib"]) else f"{r['peak_gib']:.2f}"
-    ratio = f"{r['ms_vs_torch']:.3f}" if "ms_vs_torch" in r else "-"
-    wall = f"{r['wall_ms']:.2f}" if r.get("wall_ms") else "-"
-    wall_ratio = f"{r['wall_vs_torch']:.3f}" if "wall_vs_torch" in r else "-"
-    return head + (f"{r['tokens_per_s']:>11,.0f}{r['median_ms']:>11.2f}{r['min_ms']:>9.2f}{peak:>10}"
-                   f"{r['loss']:>9.4f}{ratio:>13}{wall:>9}{wall_ratio:>15}")
+    mfu = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+    return head + (f"{r['tokens_per_s']:>10,.0f}{_opt(r.get('tokens_per_s_gpu'), ',.0f', 10)}{mfu:>7}"
+                   f"{r['median_ms']:>10.2f}{r['min_ms']:>9.2f}{_opt(r['peak_gib'], '.2f', 9)}{r['loss']:>8.4f}"
+                   f"{_opt(r.get('ms_vs_torch'), '.3f', 12)}{_opt(r.get('wall_ms') or None, '.2f', 9)}"
+                   f"{_opt(r.get('wall_vs_torch'), '.3f', 14)}{_opt(r.get('graph_breaks'), 'd', 7)}")
 
 
 def print_table(rows: List[dict]) -> None:
@@ -70,8 +125,10 @@ def plot(path: str, title: str, rows: List[dict]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    value = {(r["strategy"], r["impl"]): r.get("tokens_per_s", 0.0) for r in rows if not r.get("error")}
+    def label(r):
+        return r["strategy"] + (" (compiled)" if r.get("compiled") else "")
+    strategies = list(dict.fromkeys(label(r) for r in rows))
+    value = {(label(r), r["impl"]): r.get("tokens_per_s", 0.0) for r in rows if not r.get("error")}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(strategies) + 2), 4.2))
     width = 0.38
     for i, impl in enumerate(IMPLS):

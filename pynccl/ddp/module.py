@@ -19,6 +19,7 @@ inside the captured region when gradient_as_bucket_view=True).
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import List, Optional
 
 import torch
@@ -35,6 +36,8 @@ from .reducer import Reducer
 from .sync_batchnorm import SyncBatchNorm
 
 __all__ = ["DistributedDataParallel", "SyncBatchNorm"]
+
+_TORCH_FIRST_BUCKET_BYTES = getattr(tdist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 * MiB)
 
 
 def _resolve_group(process_group, device: torch.device) -> dist.ProcessGroup:
@@ -61,6 +64,27 @@ def _to_device(obj, device: torch.device):
     if isinstance(obj, dict):
         return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
     return obj
+
+
+@contextlib.contextmanager
+def _as_active_ddp_module(ddp: "DistributedDataParallel"):
+    """While the wrapped module runs, torch.compile's DDPOptimizer (torch._dynamo.config.optimize_ddp,
+    on by default) takes this wrapper for the active torch DDP module, as torch DDP's forward marks
+    itself: graphs compiled inside are split where a bucket's worth of parameters
+    (ddp.bucket_bytes_cap) ends, so the compiled backward hands gradients out piece by piece and
+    their buckets reduce while it goes on. Unsplit, a compiled module's gradients all come out at
+    the end of its backward, and no reduction overlaps it."""
+    torch_ddp = torch.nn.parallel.DistributedDataParallel
+    # NOTE: DDPOptimizer asserts that its first bucket (torch's 1 MiB) fits in bucket_bytes_cap.
+    if not hasattr(torch_ddp, "_active_ddp_module") or ddp.bucket_bytes_cap < _TORCH_FIRST_BUCKET_BYTES:
+        yield
+        return
+    previous = torch_ddp._active_ddp_module
+    torch_ddp._active_ddp_module = ddp
+    try:
+        yield
+    finally:
+        torch_ddp._active_ddp_module = previous
 
 
 class DistributedDataParallel(nn.Module):
@@ -111,6 +135,7 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        self.bucket_bytes_cap = int(bucket_cap_mb * MiB)     # torch DDP's name (torch.compile reads it)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
 
@@ -120,7 +145,7 @@ class DistributedDataParallel(nn.Module):
         broadcast_from_rank0(group.backend, [p.detach() for p in module.parameters()] + self._module_buffers)
         self._buffer_broadcast = None
         self._join = None                    # the active join() context (join.py), if any
-        self.reducer = Reducer(named_params, group, int(bucket_cap_mb * MiB), find_unused_parameters,
+        self.reducer = Reducer(named_params, group, self.bucket_bytes_cap, find_unused_parameters,
                                gradient_as_bucket_view, static_graph, comm_paths.resolve(comm_path))
 
     @staticmethod
@@ -146,6 +171,17 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs, **kwargs):
+        # NOTE: traced by torch.compile(ddp), the bookkeeping around the module's own code
+        # (collectives, the walk of the autograd graph for unused parameters) broke the graph at
+        # every step of it (14 breaks, 7 graphs for an HF Llama): there it runs eagerly, one break
+        # before the module and one after. Eager callers skip the ~10 us that costs.
+        run = _UNTRACED if torch.compiler.is_compiling() else _PLAIN
+        inputs, kwargs, sync = run.pre_forward(self, inputs, kwargs)
+        with run.active_ddp_module(self):
+            output = self.module(*inputs, **kwargs)
+        return run.post_forward(self, output, sync)
+
+    def _pre_forward(self, inputs, kwargs):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         sync_buffers = bool(self.broadcast_buffers and self.require_forward_param_sync and self._module_buffers)
         join = self._join
@@ -159,7 +195,9 @@ class DistributedDataParallel(nn.Module):
             self._broadcast_buffers(join.buffer_src if join is not None else 0)
         if self.device_ids is not None:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
-        output = self.module(*inputs, **kwargs)
+        return inputs, kwargs, sync
+
+    def _post_forward(self, output, sync: bool):
         if sync:
             self.require_forward_param_sync = True
             self.reducer.prepare_for_backward(output)
@@ -206,3 +244,14 @@ class DistributedDataParallel(nn.Module):
         torch's semantics: the bucket is not divided by world size, the hook averages (torch's own
         hooks run unchanged; see hooks.py). Once, before training."""
         self.reducer.register_comm_hook(state, hook)
+
+
+# forward's steps, as called eagerly and as called from code torch.compile traces (run eagerly
+# there too: torch._disable_dynamo; recursive=False lets dynamo compile the module run inside).
+_PLAIN = types.SimpleNamespace(pre_forward=DistributedDataParallel._pre_forward,
+                               post_forward=DistributedDataParallel._post_forward,
+                               active_ddp_module=_as_active_ddp_module)
+_UNTRACED = types.SimpleNamespace(pre_forward=torch._disable_dynamo(DistributedDataParallel._pre_forward),
+                                  post_forward=torch._disable_dynamo(DistributedDataParallel._post_forward),
+                                  active_ddp_module=contextlib.contextmanager(
+                                      torch._disable_dynamo(_as_active_ddp_module.__wrapped__, recursive=False)))

@@ -49,6 +49,7 @@ class ShardedParamsRuntime:
 
     def __init__(self, unit_modules: List[nn.Module], infos: List[ParamInfo],
                  tensors: List[torch.Tensor], group, policy, sync_module_states: bool):
+        _never_compiled(ShardedParamsRuntime.pack, ShardedParamsRuntime.unpack)
         unit_of_module: Dict[int, int] = {}
         for u_idx, m in enumerate(unit_modules, start=1):
             for sub in m.modules():
@@ -313,6 +314,23 @@ class ShardedParamsRuntime:
                 "grads_unreduced": [u.full.grad for u in self.units] + list(self._ready.values()),
                 "grads_in_flight": self.in_flight.buffers(),
                 "grads_shard": [g for u in self.units for g in u.grads]}
+
+
+def _never_compiled(*functions) -> None:
+    """Keep torch.compile from compiling these functions' frames, at no cost per call.
+
+    NOTE: autograd calls the saved-tensor hooks for every tensor saved in forward; under
+    torch.compile(model) that includes the eager stretches between compiled graphs, where dynamo
+    compiles every frame it sees: it compiled pack() anew for each kind of saved tensor (dtype,
+    rank, requires_grad) until its recompile limit (8) and broke the graph at UntypedStorage.data_ptr,
+    seconds of compiling and 8 breaks for a 4-layer GPT-2. torch._disable_dynamo would cost ~10 us
+    on each of hundreds of calls a step, compiled or not; marking the code objects costs nothing."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:                               # a torch without dynamo's frame strategies
+        return
+    for fn in functions:
+        skip_code(fn.__code__)
 
 
 def _post_backward_via(runtime_ref, index: int, full: torch.Tensor) -> None:

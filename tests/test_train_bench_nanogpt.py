@@ -1,0 +1,74 @@
+"""benchmarks/nanogpt_swap.py: nanoGPT's own train.py with the wrapper swapped. The swap itself
+on train.py's lines (always), and, where nanoGPT's files were copied into
+benchmarks/results/nanogpt/ (git-ignored; see nanogpt_swap.py), the real script on 2 gloo ranks
+with a 2-layer model: torch DDP, pynccl DDP and ZeRO-1/2/3 give the same loss at every iteration
+(fp32: the same math; printed to 4 decimals) and the loss falls. Clipping acts there (grad_clip
+0.1): ZeRO with torch's clip_grad_norm_ left in place (each rank's shards clipped by their own
+norm) ends 1e-3 off."""
+import json
+import os
+import pickle
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import nanogpt_swap  # noqa: E402
+
+NANOGPT = os.path.join(ROOT, "benchmarks", "results", "nanogpt")
+# The lines of nanoGPT's train.py (3adf61e) that the swap edits, in their context.
+TRAIN_PY = ("import torch\n" + nanogpt_swap.IMPORT + "if ddp:\n" + nanogpt_swap.CPU_PATCHES[0][0]
+            + "    master_process = ddp_rank == 0\n" + "if ddp:\n" + nanogpt_swap.CPU_PATCHES[1][0]
+            + "    if grad_clip != 0.0:\n        scaler.unscale_(optimizer)\n" + nanogpt_swap.CLIP)
+
+
+def test_swaps_edit_exactly_the_lines():
+    assert nanogpt_swap.patched_train_py(TRAIN_PY, "torch-ddp", "cuda") == TRAIN_PY
+    ddp = nanogpt_swap.patched_train_py(TRAIN_PY, "pynccl-ddp", "cuda")
+    assert ddp == TRAIN_PY.replace(nanogpt_swap.IMPORT, "from pynccl import DistributedDataParallel as DDP\n")
+    zero = nanogpt_swap.patched_train_py(TRAIN_PY, "zero2", "cpu")
+    assert "DDP = zero_wrapper(2)\n" in zero and nanogpt_swap.IMPORT not in zero
+    assert "__import__('pynccl').clip_grad_norm_(model.parameters(), grad_clip)" in zero
+    assert "torch.nn.utils.clip_grad_norm_" not in zero
+    assert "device_ids=[ddp_local_rank] if device_type == 'cuda' else None" in zero
+    assert "    if device.startswith('cuda'):\n        device = f'cuda:{ddp_local_rank}'" in zero
+    compile(zero, "train.py", "exec")                      # still Python
+    with pytest.raises(ValueError, match="expected one 'from torch.nn.parallel import"):
+        nanogpt_swap.patched_train_py(TRAIN_PY.replace(nanogpt_swap.IMPORT, ""), "zero3", "cuda")
+    with pytest.raises(ValueError, match="unknown variant"):
+        nanogpt_swap.patched_train_py(TRAIN_PY, "zero4", "cuda")
+
+
+def test_synthetic_data_follows_its_rule(tmp_path):
+    nanogpt_swap.write_data(str(tmp_path), 20_000, 64)
+    x = np.fromfile(tmp_path / "train.bin", dtype=np.uint16).astype(np.int64)
+    assert len(x) == 20_000 and x.max() < 64
+    follows = np.mean(x[1:] == (5 * x[:-1] + 3) % 64)
+    assert 0.9 < follows < 0.97                              # 1/16 random restarts
+    with open(tmp_path / "meta.pkl", "rb") as f:
+        assert pickle.load(f) == {"vocab_size": 64}
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(NANOGPT, "train.py")),
+                    reason="nanoGPT's train.py, model.py, configurator.py are not in benchmarks/results/nanogpt "
+                           "(git-ignored; nanogpt_swap.py --help says how to copy them)")
+def test_real_train_py_every_wrapper_trains_alike(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "rows.json"
+    rc = nanogpt_swap.main(["--device", "cpu", "--nproc", "2", "--tiny", "--run-dir", str(tmp_path / "runs"),
+                            "--json", str(out), "--loss-rtol", "1e-4", "--skip", "2"])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == nanogpt_swap.VARIANTS and not any(r.get("error") for r in rows.values()), rows
+    # NOTE: a pynccl variant may abort at interpreter exit after its last iteration (pynccl's group,
+    # bootstrapped from torch.distributed, is never destroyed; nanogpt_swap.TEARDOWN_ABORT): reported
+    # by the script, tolerated here, where the training is under test.
+    assert rc == 0 or all(r.get("exit_error") for r in rows.values() if r["rc"] != 0), rows
+    assert rows["torch-ddp"]["rc"] == 0
+    ref = rows["torch-ddp"]["losses"]
+    assert len(ref) == 13 and ref[-1] < ref[0] - 1.0, ref
+    for variant, r in rows.items():
+        assert r["losses"] == pytest.approx(ref, rel=1e-4, abs=1e-4), variant
+        assert r["median_ms"] > 0 and r["tokens_per_s_gpu"] > 0 and r["mfu"] is None
