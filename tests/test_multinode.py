@@ -10,9 +10,13 @@ gloo processes, c10d rendezvous on 127.0.0.1, every transport on the loopback in
   timeout + 5 s, by an error naming the op, with its flight record written.
 * torchrun --max-restarts 1: the last node's workers die at step 5; the job restarts, resumes from
   the step-3 checkpoint and its losses and final parameters are the uninterrupted run's.
+* pynccl-bench --nnodes 2 --impl both: the benchmark over two nodes, next to torch.
 """
 import json
 import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -124,3 +128,20 @@ def test_restart_resumes_from_the_last_checkpoint(tmp_path):
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     for k, v in state.items():
         torch.testing.assert_close(final[k], v, atol=TOL, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_benchmark_over_two_nodes():
+    """pynccl-bench --nnodes 2: two torchrun agents, both implementations side by side; the socket
+    environment reaches the ranks (the header prints NCCL's variables as rank 0 sees them)."""
+    cmd = [sys.executable, "-m", "pynccl.bench", "all_reduce", "--nnodes", "2", "--backend", "gloo", "-b", "8",
+           "-e", "64", "-f", "8", "-n", "2", "-w", "0", "--impl", "both"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(REPO))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "# pynccl.bench: 2 nodes × 1 rank(s) on this host" in out, out
+    assert len(re.findall(r"^#  Rank  [01] Group  0 Pid", out, re.M)) == 2, out
+    assert re.search(r"^# NCCL environment: .*NCCL_HOSTID=pynccl-node0 .*NCCL_NET=Socket", out, re.M), out
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+(8|64)\s+\d+\s+float", line)]
+    assert [row[0] for row in rows] == ["8", "64"] and all(row[8] == "0" and row[12] == "0" for row in rows), out
+    assert "# torch: Out of bounds values : 0 OK" in out and "# Out of bounds values : 0 OK" in out, out
