@@ -47,7 +47,14 @@ def reference(steps=range(STEPS), clip=None):
     return {k: v.detach().cpu() for k, v in net.state_dict().items()}, norms
 
 
-def assert_close(actual, expected, what, atol=TOL):
+def tolerance():
+    """test_zero's 1e-6 on CPU; on GPUs test_zero_gpu's 1e-5: GEMMs of the local and the global batch
+    take different kernels (split-K, tiling), so their sums run in different orders."""
+    return TOL if device().type == "cpu" else 1e-5
+
+
+def assert_close(actual, expected, what, atol=None):
+    atol = tolerance() if atol is None else atol
     assert sorted(actual) == sorted(expected), f"{what}: keys differ"
     for k in expected:
         torch.testing.assert_close(actual[k].cpu(), expected[k], atol=atol, rtol=0, msg=lambda m: f"{what} [{k}]: {m}")
@@ -134,7 +141,7 @@ def check_hybrid_training(rank, ws, shard, replicate):
 
         model, opt = wrap(stage, process_group=(shard, replicate))
         norms = train(model, opt, range(STEPS), rank, ws, clip=0.5)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-6, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=tolerance(), atol=0)
         assert_close(model.full_state_dict(), clipped, f"hybrid stage {stage} clipped")
 
 

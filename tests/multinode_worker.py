@@ -94,6 +94,8 @@ def check_collectives_vs_torch(rank, ws, groups):
         pynccl.all_to_all_single(a, base, group=mine)
         tdist.all_to_all_single(b, base, group=tg)
         assert torch.equal(a, b), ranks
+        if n == 1:
+            continue
         # point to point around the group's ring: every other hop crosses a node
         nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
         got = torch.empty_like(base)
@@ -115,6 +117,12 @@ def check_ddp_and_zero(rank, ws):
         hc.assert_close(model.full_state_dict(), expected, f"ZeRO stage {stage} across nodes")
 
 
+def deterministic_gpu():
+    """fp32 GEMMs in fp32 (TF32 would be compared against TF32 on another batch shape)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def checks():
     timings, t0 = {"imports": round(time.time() - STARTED, 2)}, time.monotonic()
 
@@ -123,6 +131,7 @@ def checks():
         timings[what] = round(time.monotonic() - t0, 2)
         t0 = time.monotonic()
     pynccl.init_process_group(BACKEND, timeout=TIMEOUT_S)
+    deterministic_gpu()
     rank, ws = pynccl.get_rank(), pynccl.get_world_size()
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     env = check_torchrun_env(rank, ws, per_node)
@@ -154,12 +163,13 @@ def node_death():
     rank 0 announces step 3 and sleeps inside it, the test kills that node; every survivor must
     end, by an error, within the group timeout + 5 s, with its flight record written."""
     pynccl.init_process_group(BACKEND, timeout=TIMEOUT_S)
+    deterministic_gpu()
     rank, ws = pynccl.get_rank(), pynccl.get_world_size()
     victim = int(os.environ["GROUP_RANK"]) == int(os.environ["GROUP_WORLD_SIZE"]) - 1
     shard, replicate = hc.node_groups()
     model, opt = hc.wrap(3, process_group=(shard, replicate))
     dev = pynccl.get_device()
-    write("node_death_ready", victim=victim)
+    write("node_death_ready", victim=victim, pid=os.getpid(), local_rank=int(os.environ["LOCAL_RANK"]))
     try:
         for step in range(10_000):
             idx, tgt = (t.to(dev) for t in local(global_batch(step % STEPS), rank, ws))
@@ -187,6 +197,7 @@ def resume():
     MN_KILL_STEP; the restarted job resumes from the last checkpoint. Rank 0 logs each step's
     global loss; the last run writes the final parameters."""
     pynccl.init_process_group(BACKEND, timeout=TIMEOUT_S)
+    deterministic_gpu()
     rank, ws = pynccl.get_rank(), pynccl.get_world_size()
     kill_step = int(os.environ.get("MN_KILL_STEP", "-1"))
     shard, replicate = hc.node_groups()

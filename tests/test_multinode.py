@@ -36,8 +36,8 @@ GROUP_TIMEOUT_S = 5.0
 LOSS_RTOL = 1e-6
 
 
-def worker_env(tmp_path, **extra):
-    return {"MN_BACKEND": "gloo", "MN_OUT": str(tmp_path), "MN_TIMEOUT": str(GROUP_TIMEOUT_S),
+def worker_env(tmp_path, backend, timeout_s, **extra):
+    return {"MN_BACKEND": backend, "MN_OUT": str(tmp_path), "MN_TIMEOUT": str(timeout_s),
             "PYNCCL_FLIGHT_RECORDER_DIR": str(tmp_path / "flight"),
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **extra}
 
@@ -47,25 +47,45 @@ def read_json(path):
         return json.load(f)
 
 
-def test_two_nodes_match_torch_and_one_process(tmp_path):
-    env = worker_env(tmp_path, MN_TIMEOUT="120")
+# ---------------------------------------------------------------------- scenarios (also run on NCCL)
+def run_checks(tmp_path, backend, per_node):
+    """The checks scenario; returns each rank's result."""
+    ws = NNODES * per_node
     launched = time.time()
-    run_nodes([WORKER, "checks"], NNODES, PER_NODE, timeout=300, env=env)
-    results = [read_json(tmp_path / f"checks_rank{r}.json") for r in range(NNODES * PER_NODE)]
+    run_nodes([WORKER, "checks"], NNODES, per_node, timeout=400, env=worker_env(tmp_path, backend, 120))
+    results = [read_json(tmp_path / f"checks_rank{r}.json") for r in range(ws)]
     print(f"rank 0: started {results[0]['started'] - launched:.1f} s after the launch; seconds per phase "
           f"{results[0]['timings']}")
     assert all(r["ok"] for r in results)
     envs = [r["env"] for r in results]
-    assert [(e["GROUP_RANK"], e["LOCAL_RANK"]) for e in envs] == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert [(int(e["GROUP_RANK"]), int(e["LOCAL_RANK"])) for e in envs] == [divmod(r, per_node) for r in range(ws)]
     assert {e["TORCHELASTIC_USE_AGENT_STORE"] for e in envs} == {"True"}     # the agent's store, shared
+    return results
 
 
-def test_a_node_dies_mid_step(tmp_path):
-    """Survivors are timed from the kill to the end of their process (not of the error)."""
-    bound = GROUP_TIMEOUT_S + 5.0
-    with TorchrunNodes([WORKER, "node_death"], NNODES, PER_NODE, env=worker_env(tmp_path)) as nodes:
+def _flight_record_of(tmp_path, rank, survivor_output, local_rank):
+    """The flight record a survivor named: in its error (raised), or in the line the watchdog printed
+    before ending the process (NCCL's default on a failure, exit code 75)."""
+    raised = tmp_path / f"node_death_rank{rank}.json"
+    if raised.exists():
+        e = read_json(raised)
+        assert e["error"] in ("PyncclError", "CommTimeoutError") and e["step"] == 3, e
+        return e["message"].split("flight record: ")[1].split(")")[0], "raised"
+    lines = [line for line in survivor_output.splitlines() if line.startswith(f"[default{local_rank}]:")]
+    found = [re.search(r"Flight record: (\S+\.json)", line) for line in lines]
+    found = [m.group(1) for m in found if m]
+    assert found, f"rank {rank} neither raised nor printed a flight record:\n" + "\n".join(lines[-30:])
+    return found[-1], "teardown"
+
+
+def run_node_death(tmp_path, backend, per_node, timeout_s):
+    """The last node is killed while it sleeps in step 3; returns each survivor's seconds from
+    the kill to the end of its process, and how it ended."""
+    bound = timeout_s + 5.0
+    env = worker_env(tmp_path, backend, timeout_s)
+    with TorchrunNodes([WORKER, "node_death"], NNODES, per_node, env=env) as nodes:
         marker = tmp_path / "victim_agent"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while not marker.exists() and time.monotonic() < deadline and all(p.poll() is None for p in nodes.procs):
             time.sleep(0.05)
         if not marker.exists():
@@ -83,26 +103,32 @@ def test_a_node_dies_mid_step(tmp_path):
         runs = nodes.wait(30)
     outputs = "\n".join(r.describe() for r in runs)
     print(f"survivors ended {sorted(ended.values())} s after the kill (bound {bound} s)")
-    assert len(survivors) == NNODES - 1 and all(len(p) == PER_NODE for p in survivors.values()), survivors
-    assert len(ended) == NNODES * PER_NODE - PER_NODE, f"survivors still running: {ended}\n{outputs}"
+    n_survivors = (NNODES - 1) * per_node
+    assert len(survivors) == NNODES - 1 and all(len(p) == per_node for p in survivors.values()), survivors
+    assert len(ended) == n_survivors, f"survivors still running: {ended}\n{outputs}"
     assert max(ended.values()) <= bound, f"survivors ended {ended} s after the kill (bound {bound} s)\n{outputs}"
     assert all(not r.hung and r.returncode != 0 for r in runs), outputs   # the job failed, nothing hangs
-    errors = [read_json(f) for f in tmp_path.glob("node_death_rank*.json")]
-    assert len(errors) == NNODES * PER_NODE - PER_NODE, outputs
-    for e in errors:
-        assert e["error"] in ("PyncclError", "CommTimeoutError") and e["step"] == 3, e
-        path = e["message"].split("flight record: ")[1].split(")")[0]
+    ready = [read_json(f) for f in tmp_path.glob("node_death_ready_rank*.json")]
+    outcomes = []
+    for rank, info in enumerate(read_json(tmp_path / f"node_death_ready_rank{r}.json") for r in range(len(ready))):
+        if info["victim"]:
+            continue
+        node = next(n for n, pids in survivors.items() if info["pid"] in pids)
+        path, outcome = _flight_record_of(tmp_path, rank, runs[node].output, info["local_rank"])
         record = read_json(path)
-        assert record["entries"][-1]["state"] in ("failed", "timed_out") and record["reason"], record
-        assert Path(path).parent == tmp_path / "flight"
+        assert Path(path).parent == tmp_path / "flight", path
+        assert record["reason"] and any(e["state"] in ("failed", "timed_out") for e in record["entries"]), record
+        outcomes.append(outcome)
+    assert len(outcomes) == n_survivors, outputs
+    return ended, outcomes
 
 
-def reference_losses(steps):
-    net = make_net()
+def reference_losses(steps, device="cpu"):
+    net = make_net().to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
     losses = []
     for step in range(steps):
-        loss = net(*global_batch(step))
+        loss = net(*(t.to(device) for t in global_batch(step)))
         losses.append(loss.item())
         loss.backward()
         opt.step()
@@ -110,9 +136,9 @@ def reference_losses(steps):
     return losses, net.state_dict()
 
 
-def test_restart_resumes_from_the_last_checkpoint(tmp_path):
-    run_nodes([WORKER, "resume"], NNODES, PER_NODE, timeout=300, max_restarts=1,
-              env=worker_env(tmp_path, MN_KILL_STEP="5", MN_TIMEOUT="30"))
+def run_resume(tmp_path, backend, per_node, loss_rtol, param_atol):
+    run_nodes([WORKER, "resume"], NNODES, per_node, timeout=400, max_restarts=1,
+              env=worker_env(tmp_path, backend, 30, MN_KILL_STEP="5"))
     lines = [json.loads(line) for line in (tmp_path / "losses.jsonl").read_text().splitlines()]
     runs = {}
     for line in lines:
@@ -121,27 +147,49 @@ def test_restart_resumes_from_the_last_checkpoint(tmp_path):
     first, second = sorted(runs.values(), key=lambda r: r[0]["start"])
     assert [x["step"] for x in first] == [0, 1, 2, 3, 4]            # killed at step 5
     assert second[0]["start"] == 4 and [x["step"] for x in second] == list(range(4, 2 * STEPS))
-    assert first[-1]["loss"] == second[0]["loss"], "step 4, run again from the step-3 checkpoint, differs"
-    expected, state = reference_losses(2 * STEPS)
+    # step 4 again, from the step-3 checkpoint: the same computation
+    torch.testing.assert_close(second[0]["loss"], first[-1]["loss"], rtol=loss_rtol, atol=0)
+    expected, state = reference_losses(2 * STEPS, "cuda" if backend == "nccl" else "cpu")
+    state = {k: v.cpu() for k, v in state.items()}
     got = [x["loss"] for x in first[:4] + second]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=loss_rtol, atol=0)
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     for k, v in state.items():
-        torch.testing.assert_close(final[k], v, atol=TOL, rtol=0, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(final[k], v, atol=param_atol, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def run_bench(backend, per_node, extra=()):
+    cmd = [sys.executable, "-m", "pynccl.bench", "all_reduce", "--nnodes", str(NNODES), "--nproc", str(per_node),
+           "--backend", backend, "-b", "8", "-e", "64", "-f", "8", "-n", "2", "-w", "0", "--impl", "both", *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(REPO))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert f"# pynccl.bench: {NNODES} nodes × {per_node} rank(s) on this host" in out, out
+    assert len(re.findall(r"^#  Rank +\d+ Group  0 Pid", out, re.M)) == NNODES * per_node, out
+    assert re.search(r"^# NCCL environment: .*NCCL_HOSTID=pynccl-node0 .*NCCL_NET=Socket", out, re.M), out
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+(8|64)\s+\d+\s+float", line)]
+    assert [row[0] for row in rows] == ["8", "64"] and all(row[8] == "0" and row[12] == "0" for row in rows), out
+    assert "# torch: Out of bounds values : 0 OK" in out and "# Out of bounds values : 0 OK" in out, out
+    return out
+
+
+# ---------------------------------------------------------------------- tests (gloo)
+def test_two_nodes_match_torch_and_one_process(tmp_path):
+    run_checks(tmp_path, "gloo", PER_NODE)
+
+
+def test_a_node_dies_mid_step(tmp_path):
+    """Survivors are timed from the kill to the end of their process (not of the error)."""
+    ended, outcomes = run_node_death(tmp_path, "gloo", PER_NODE, GROUP_TIMEOUT_S)
+    assert outcomes == ["raised"] * PER_NODE        # gloo reports the lost peer as an error
+
+
+def test_restart_resumes_from_the_last_checkpoint(tmp_path):
+    run_resume(tmp_path, "gloo", PER_NODE, LOSS_RTOL, TOL)
 
 
 def test_benchmark_over_two_nodes():
     """pynccl-bench --nnodes 2: two torchrun agents, both implementations side by side; the socket
     environment reaches the ranks (the header prints NCCL's variables as rank 0 sees them)."""
-    cmd = [sys.executable, "-m", "pynccl.bench", "all_reduce", "--nnodes", "2", "--backend", "gloo", "-b", "8",
-           "-e", "64", "-f", "8", "-n", "2", "-w", "0", "--impl", "both"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=str(REPO))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = r.stdout
-    assert "# pynccl.bench: 2 nodes × 1 rank(s) on this host" in out, out
-    assert len(re.findall(r"^#  Rank  [01] Group  0 Pid", out, re.M)) == 2, out
-    assert re.search(r"^# NCCL environment: .*NCCL_HOSTID=pynccl-node0 .*NCCL_NET=Socket", out, re.M), out
-    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+(8|64)\s+\d+\s+float", line)]
-    assert [row[0] for row in rows] == ["8", "64"] and all(row[8] == "0" and row[12] == "0" for row in rows), out
-    assert "# torch: Out of bounds values : 0 OK" in out and "# Out of bounds values : 0 OK" in out, out
+    run_bench("gloo", 1)

@@ -126,7 +126,10 @@ class TorchrunNodes:
         if gpus is None:
             gpus = self.nproc_per_node if _cuda_device_count() else 0
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * gpus + g) for g in range(gpus))
+            # NOTE: through the parent's own CUDA_VISIBLE_DEVICES, if it has one.
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            devices = visible.split(",") if visible else [str(i) for i in range(_cuda_device_count())]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[node * gpus + g] for g in range(gpus))
         return env
 
     def start(self) -> "TorchrunNodes":
