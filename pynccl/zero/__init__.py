@@ -10,6 +10,7 @@ Files, one responsibility each:
   stage3.py          stage 3 (per-unit gather, prefetch, saved-tensor hooks)
   mixed_precision.py MixedPrecision policy
   clip.py            global-norm gradient clipping that knows which tensors are shards
+  hybrid.py          hybrid sharding's groups: shard within a node, replicate across nodes
   state_dict.py      full (consolidated) model/optimizer state dicts, load at any size/stage
   checkpoint.py      crash-safe sharded save/load, resharding
   memory.py          bytes held in params/grads/optimizer state
