@@ -145,6 +145,18 @@ def check_hybrid_training(rank, ws, shard, replicate):
         assert_close(model.full_state_dict(), clipped, f"hybrid stage {stage} clipped")
 
 
+def check_hybrid_mixed_precision(rank, ws, shard, replicate):
+    """bf16 compute with fp32 reductions: both collectives of the reduce run in the reduce dtype
+    (test_zero's emulation of MixedPrecision, and its 1e-4 for fp32 reductions)."""
+    from test_zero import reference_mixed
+    from pynccl.zero import MixedPrecision
+    expected = reference_mixed(ws, torch.float32)
+    model, opt = wrap(3, process_group=(shard, replicate),
+                      mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    train(model, opt, range(STEPS), rank, ws)
+    assert_close(model.full_state_dict(), expected, "hybrid stage 3, bf16 compute, fp32 reductions", atol=1e-4)
+
+
 def check_hybrid_meshes(rank, ws, ranks_per_node):
     """The same through ParallelMesh(dp_shard="node") and through torch's 2-D DeviceMesh
     (FSDP2's HSDP: dims (replicate, shard))."""

@@ -13,6 +13,7 @@ def _case(rank, ws, tmp):
     hc.check_node_layout(rank, ws, RANKS_PER_NODE)
     shard, replicate = hc.node_groups()
     hc.check_hybrid_training(rank, ws, shard, replicate)
+    hc.check_hybrid_mixed_precision(rank, ws, shard, replicate)
     hc.check_hybrid_meshes(rank, ws, RANKS_PER_NODE)
     hc.check_hybrid_checkpoints(rank, ws, shard, replicate, tmp)
     hc.check_hybrid_errors(rank, ws, shard, replicate)

@@ -214,7 +214,11 @@ class TorchrunNodes:
                 _kill(pid)
 
     def __enter__(self):
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:                          # no agent outlives a start that failed halfway
+            self.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc):
         self.close()
