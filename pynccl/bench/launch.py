@@ -1,4 +1,5 @@
-"""Starting the ranks: --nproc N processes of our own, torchrun's (RANK/WORLD_SIZE set), or one.
+"""Starting the ranks: --nproc N processes of our own, torchrun's (RANK/WORLD_SIZE set), one, or
+--nnodes N torchrun agents on this host (--nproc ranks each) talking over sockets.
 
 --nproc forks on gloo (torch is already imported: much faster) and spawns on nccl (CUDA must not
 be initialised before a fork). The launcher watches every rank: when one fails, the others get a
@@ -24,6 +25,8 @@ def in_torchrun() -> bool:
 
 def launch(opts, backend: str) -> int:
     from .runner import run_worker
+    if opts.nnodes is not None:
+        return launch_nodes(opts, backend)
     if opts.nproc is None:
         if not in_torchrun():
             os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
@@ -48,6 +51,48 @@ def launch(opts, backend: str) -> int:
     for p in procs:
         p.start()
     return _wait(procs)
+
+
+def launch_nodes(opts, backend: str) -> int:
+    """--nnodes N: N torchrun agents on this host, each a node of --nproc ranks, every rank running
+    this benchmark; NCCL between nodes on its socket transport (multinode.socket_env), so the
+    network path has figures. The agents' exit codes are the result."""
+    from pynccl.testing.multinode import TorchrunNodes, socket_env
+    if in_torchrun():
+        raise ValueError("--nnodes starts its own torchrun agents; under torchrun leave it out")
+    per_node = opts.nproc or 1
+    if backend == "nccl" and opts.nnodes * per_node > torch.cuda.device_count():
+        raise ValueError(f"--nnodes {opts.nnodes} × --nproc {per_node} on nccl needs one GPU per rank, but "
+                         f"{torch.cuda.device_count()} CUDA device(s) are visible")
+    args = _without(opts.argv, ("--nnodes", "--nproc")) + ["--backend", backend]
+    env = " ".join(f"{k}={v}" for k, v in socket_env(0).items() if k.startswith("NCCL_") and k != "NCCL_HOSTID")
+    print(f"# pynccl.bench: {opts.nnodes} nodes × {per_node} rank(s) on this host (torchrun agents), "
+          f"{'NCCL' if backend == 'nccl' else 'gloo'} between them over loopback sockets ({env}, "
+          f"NCCL_HOSTID per node)", flush=True)
+    threads = max(1, (os.cpu_count() or 1) // (opts.nnodes * per_node)) if backend == "gloo" else 1
+    nodes = TorchrunNodes(["-m", "pynccl.bench", *args], opts.nnodes, per_node, capture=False,
+                          env={"OMP_NUM_THREADS": str(threads)})
+    with nodes:
+        runs = nodes.wait(opts.timeout + 120)
+    codes = [r.returncode for r in runs]
+    if any(r.hung for r in runs):
+        print(f"pynccl.bench: nodes {[r.index for r in runs if r.hung]} still running after "
+              f"{opts.timeout + 120:.0f} s: stopped", file=sys.stderr)
+        return 1
+    return 0 if all(c == 0 for c in codes) else max((c for c in codes if c and c > 0), default=1)
+
+
+def _without(argv, flags) -> list:
+    """argv minus the given flags and their values ('--flag V' and '--flag=V')."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not any(a.startswith(f + "=") for f in flags):
+            out.append(a)
+    return out
 
 
 def _child(rank: int, env: dict, opts, backend: str, threads) -> None:

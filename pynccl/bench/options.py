@@ -1,5 +1,5 @@
 """Command-line flags of the benchmark: nccl-tests' letters and defaults, plus pynccl's own
-(--nproc, --backend, --impl, --algo/--proto, --plot, --reps).
+(--nproc, --nnodes, --backend, --impl, --algo/--proto, --plot, --reps).
 
 Flag values parse as nccl-tests parses them (sizes with K/M/G suffixes, 1024-based; integers
 with strtol(..., 0), so 0x10 works), so a command line copied from an nccl-tests run works here.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import List, Optional
 
 import torch
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     x = p.add_argument_group("pynccl flags")
     x.add_argument("--nproc", type=_int_arg, default=None,
                    help="start this many ranks (one per GPU on nccl); without it, run as one rank or under torchrun")
+    x.add_argument("--nnodes", type=_int_arg, default=None,
+                   help="run as this many nodes on this host: one torchrun agent each with --nproc ranks "
+                        "(default 1), NCCL on its socket transport and gloo over loopback, as between hosts "
+                        "without InfiniBand (pynccl.testing.multinode)")
     x.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="nccl (CUDA tensors) or gloo (CPU tensors); default nccl if CUDA is available")
     x.add_argument("--impl", choices=IMPLS, default="pynccl",
@@ -148,6 +153,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("-G (CUDA graph) and -z (blocking) exclude each other: a graph cannot wait on the host")
     if opts.nproc is not None and opts.nproc < 1:
         parser.error(f"--nproc must be ≥ 1, got {opts.nproc}")
+    if opts.nnodes is not None and opts.nnodes < 1:
+        parser.error(f"--nnodes must be ≥ 1, got {opts.nnodes}")
+    opts.argv = list(argv) if argv is not None else sys.argv[1:]
     multi = len(ops) > 1
     for flag, path in (("-J", opts.json), ("--plot", opts.plot)):
         if path and multi and "{op}" not in path:

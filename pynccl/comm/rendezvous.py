@@ -80,6 +80,10 @@ def bootstrap(init_method, rank: int, world_size: int, timeout_s: float, store) 
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         is_master = rank == 0 and not agent_store
         store = _connect_store(host, port, world_size, rank, is_master, timeout_s)
+        if agent_store:
+            # The agent's store outlives its workers (torchrun --max-restarts): one key space per attempt.
+            from .elastic_store import fresh_key_space
+            store = fresh_key_space(store, rank, world_size, timeout_s)
 
     _check_unique_rank(store, rank, world_size, timeout_s)
     try:

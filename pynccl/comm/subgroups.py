@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as tdist
 
+from .nodes import NodeLayout, node_ids
 from .groups import (ProcessGroup, _check_ranks, _register, _timeout_seconds, get_default_group,
                      new_group, resolve_group)
 
@@ -53,22 +53,26 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
 def new_subgroups(group_size: Optional[int] = None, group=None, timeout=None, backend=None, pg_options=None,
                   group_desc: Optional[str] = None) -> Tuple[ProcessGroup, List[ProcessGroup]]:
     """Split the default group (or `group`, whose size it must divide) into consecutive blocks of
-    `group_size` ranks (default: the CUDA devices per node, as torch). Returns (this rank's block,
-    every block)."""
+    `group_size` ranks. Returns (this rank's block, every block).
+
+    group_size=None: one subgroup per node, as launched (torchrun's GROUP_RANK/LOCAL_WORLD_SIZE;
+    comm/nodes.py). torch takes the CUDA device count, which is the same under torchrun with
+    one process per GPU, and is undefined on CPU or with fewer processes than GPUs per node."""
     parent = get_default_group() if group is None else resolve_group(group)
-    if group_size is None:
-        if not torch.cuda.is_available():
-            raise ValueError("new_subgroups: group_size=None means one subgroup per machine (the CUDA device "
-                             "count), and no CUDA device is visible; pass group_size")
-        group_size = torch.cuda.device_count()
-    if not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"new_subgroups: group_size must be a positive int, got {group_size!r}")
-    if group_size > parent.world_size or parent.world_size % group_size:
-        raise ValueError(f"new_subgroups: group_size {group_size} must divide the group's size {parent.world_size}")
-    blocks = [parent.ranks[i: i + group_size] for i in range(0, parent.world_size, group_size)]
     if pg_options is not None:
         raise NotImplementedError("new_subgroups: pg_options is not supported; subgroups inherit the parent's "
                                   "communicator configuration")
+    if group_size is None:
+        # NOTE: collective over the parent only (a subgroup's members call this, the others may not).
+        blocks = NodeLayout.from_ids(node_ids(parent)).nodes      # group ranks per node
+        blocks = [[parent.ranks[i] for i in block] for block in blocks]
+    else:
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
+            raise ValueError(f"new_subgroups: group_size must be a positive int, got {group_size!r}")
+        if group_size > parent.world_size or parent.world_size % group_size:
+            raise ValueError(f"new_subgroups: group_size {group_size} must divide the group's size "
+                             f"{parent.world_size}")
+        blocks = [parent.ranks[i: i + group_size] for i in range(0, parent.world_size, group_size)]
     subgroups = _split(parent, blocks, timeout, backend, group_desc, "new_subgroups")
     return next(g for g in subgroups if g.is_member), subgroups
 

@@ -12,7 +12,7 @@ Processes are forked when the parent has not initialised CUDA (much faster than 
 torch is already imported), and spawned otherwise.
 
 reference_models.py holds the unsharded GPT-2 modules that tests and benchmarks compare the
-tensor-parallel ones against.
+tensor-parallel ones against; multinode.py starts N torchrun agents on one host, each a node.
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ Files, one responsibility each:
   stage3.py          stage 3 (per-unit gather, prefetch, saved-tensor hooks)
   mixed_precision.py MixedPrecision policy
   clip.py            global-norm gradient clipping that knows which tensors are shards
+  hybrid.py          hybrid sharding's groups: shard within a node, replicate across nodes
   state_dict.py      full (consolidated) model/optimizer state dicts, load at any size/stage
   row_exchange.py    rows between ZeRO's flat layout and torch.chunk's Shard(0) chunks (all_to_all)
   sharded_state.py   sharded state dicts as DTensors (FSDP2's form) and back

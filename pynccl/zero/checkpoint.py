@@ -9,6 +9,10 @@ files whose tokens differ (a crash between two ranks' renames would otherwise mi
 Loading at the same world size and layout copies the shards back; from any other world
 size or stage, every rank reads all files, rebuilds the full state dicts and cuts its own
 slices (resharding), via state_dict.py.
+
+Hybrid sharding (hybrid.py): the replicas hold the same shards, so the first replica writes the
+files (one per shard rank) and every replica reads them; the votes and the final barrier span
+the replicas too, so no rank returns before the files are committed, and all raise together.
 """
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ import torch
 
 from ..comm import distributed as dist
 from ..checkpoint_io import atomic_save
-from ..comm.reduce_op import ReduceOp
 from . import state_dict as sd
+from .hybrid import agree
 from .layout import FlatLayout
 from .params import named_buffers_all
 
@@ -45,10 +49,14 @@ def _commit(staged: str, final: str) -> None:
 
 
 def _agree(model, ok: bool) -> bool:
-    """True on every rank iff `ok` is true on every rank (collective)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=model.device)
-    dist.all_reduce(flag, op=ReduceOp.MIN, group=model.process_group)
-    return bool(flag.item())
+    """True on every rank (every replica's too) iff `ok` is true on every rank (collective)."""
+    return agree(ok, model.device, model.process_group, model.replicate_group)
+
+
+def _barrier(model) -> None:
+    dist.barrier(group=model.process_group)
+    if model.replicate_group is not None:
+        dist.barrier(group=model.replicate_group)
 
 
 def _param_positions(model, optimizer) -> List[int]:
@@ -62,29 +70,37 @@ def save_sharded(model, path: str, optimizer=None) -> None:
     dist.broadcast_object_list(token, src=g.ranks[0], group=g)
     final = shard_file(path, g.rank, g.world_size)
     staged, error = final + ".staged", None
-    try:
-        payload = {
-            "format": FORMAT, "token": token[0], "rank": g.rank, "world_size": g.world_size, "stage": model.stage,
-            "units": [u.layout.metadata() for u in model.units],
-            "shards": [u.check_params() or u.shard.detach().cpu() for u in model.units],
-            "param_names": [info.names for info in model._param_infos],
-            "frozen": {info.name: info.frozen_master.cpu() for info in model._param_infos
-                       if info.frozen_master is not None},
-            "buffers": {name: b.detach().cpu() for name, b in named_buffers_all(model.module)},
-            "optimizer": None if optimizer is None else _to_cpu(optimizer.state_dict()),
-            "optimizer_params": None if optimizer is None else _param_positions(model, optimizer),
-        }
-        atomic_save(payload, staged)                # temp file + fsync + rename: never half-written
-    except Exception as e:  # noqa: BLE001 - every rank must reach the vote below
-        error = e
+    # Hybrid sharding: the other replicas hold the same shards as the first, which writes them.
+    writes = model.replicate_group is None or model.replicate_group.rank == 0
+    if writes:
+        try:
+            atomic_save(_payload(model, token[0], optimizer), staged)   # temp file + fsync + rename
+        except Exception as e:  # noqa: BLE001 - every rank must reach the vote below
+            error = e
     if not _agree(model, error is None):
-        if os.path.exists(staged):
+        if writes and os.path.exists(staged):
             os.remove(staged)
-        dist.barrier(group=g)                      # every temp file is gone when any rank raises
+        _barrier(model)                            # every temp file is gone when any rank raises
         msg = f"save_sharded: writing {path} failed on some rank; the previous checkpoint there is intact"
         raise RuntimeError(msg + (f" (this rank: {error!r})" if error else "")) from error
-    _commit(staged, final)
-    dist.barrier(group=g)
+    if writes:
+        _commit(staged, final)
+    _barrier(model)
+
+
+def _payload(model, token: str, optimizer) -> dict:
+    g = model.process_group
+    return {
+        "format": FORMAT, "token": token, "rank": g.rank, "world_size": g.world_size, "stage": model.stage,
+        "units": [u.layout.metadata() for u in model.units],
+        "shards": [u.check_params() or u.shard.detach().cpu() for u in model.units],
+        "param_names": [info.names for info in model._param_infos],
+        "frozen": {info.name: info.frozen_master.cpu() for info in model._param_infos
+                   if info.frozen_master is not None},
+        "buffers": {name: b.detach().cpu() for name, b in named_buffers_all(model.module)},
+        "optimizer": None if optimizer is None else _to_cpu(optimizer.state_dict()),
+        "optimizer_params": None if optimizer is None else _param_positions(model, optimizer),
+    }
 
 
 def _to_cpu(obj):

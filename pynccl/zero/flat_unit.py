@@ -4,7 +4,9 @@ of each, FlatLayout.local_views), so the optimizer updates the shard in place. A
 backward that needs the parameters all-gathers them into a full flat buffer in the compute dtype.
 
 All of ZeRO's communication goes through gather / free / reduce_grad here, so the stages
-differ only in *when* they call them (stage12.py, stage3.py).
+differ only in *when* they call them (stage12.py, stage3.py). With hybrid sharding (hybrid.py) a
+reduce is two collectives: the reduce-scatter over the shard group, then an all-reduce of the
+shard over the replicate group, started only once the first has finished (advance()).
 """
 from __future__ import annotations
 
@@ -19,13 +21,25 @@ from .layout import FlatLayout
 
 
 class PendingReduce:
-    """A gradient reduce-scatter in flight; `inp` stays referenced until it completes. `out` is
-    borrowed (a slice of a reused symmetric buffer) when `out_borrowed`: finish_reduce copies it."""
+    """A gradient reduce in flight; `inp` stays referenced until its reduce-scatter completes.
+    `out` is borrowed (a slice of a reused symmetric buffer) when `out_borrowed`: finish_reduce
+    copies it. `replicas_left`: the all-reduce across replicas is still to be started (hybrid)."""
 
-    __slots__ = ("unit", "work", "out", "inp", "out_borrowed")
+    __slots__ = ("unit", "work", "out", "inp", "out_borrowed", "replicas_left")
 
     def __init__(self, unit: "ShardedUnit", work, out: torch.Tensor, inp: torch.Tensor, out_borrowed: bool = False):
         self.unit, self.work, self.out, self.inp, self.out_borrowed = unit, work, out, inp, out_borrowed
+        self.replicas_left = unit.replicate_group is not None
+
+    def advance(self) -> bool:
+        """Start the replicas' all-reduce once the reduce-scatter finished (never waits); True
+        when the whole reduce has completed."""
+        if not self.work.is_completed():
+            return False
+        if self.replicas_left:
+            self.unit.reduce_across_replicas(self)
+            return self.work.is_completed()
+        return True
 
 
 class SymmetricReduceRing:
@@ -65,8 +79,9 @@ class ReduceQueue:
 
     def trim_completed(self) -> None:
         """Finish the oldest while they have completed (never waits: they run in order on one
-        stream, so the first one still running ends the scan)."""
-        while self.pending and self.pending[0].work.is_completed():
+        stream, so the first one still running ends the scan). NOTE: only the oldest advances to
+        its replicas' all-reduce, so those start in queue order, the same on every rank."""
+        while self.pending and self.pending[0].advance():
             p = self.pending.pop(0)
             p.unit.finish_reduce(p)
 
@@ -75,7 +90,7 @@ class ReduceQueue:
 
     def buffers(self) -> List[torch.Tensor]:
         """The input and output buffers in flight (for memory accounting)."""
-        return [t for p in self.pending for t in (p.inp, p.out)]
+        return [t for p in self.pending for t in (p.inp, p.out) if t is not None]
 
 
 class ShardedUnit:
@@ -89,10 +104,11 @@ class ShardedUnit:
 
     def __init__(self, index: int, layout: FlatLayout, params: Sequence[nn.Parameter], group,
                  compute_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype], *,
-                 persistent: bool, sync_from_first_rank: bool, reduce_group=None,
+                 persistent: bool, sync_from_first_rank: bool, reduce_group=None, replicate_group=None,
                  full_buffer: Optional[torch.Tensor] = None, reduce_ring: Optional[SymmetricReduceRing] = None):
         """params: the module's original parameters, one per slot; each becomes a view of this
         rank's rows of it in the shard (param.data is replaced, the object stays the same).
+        replicate_group: hybrid sharding, the groups holding the same shard (hybrid.py).
         full_buffer (persistent units): where `full` lives, (padded_numel,) in the compute dtype,
         e.g. a symmetric window, so its all-gathers run on NCCL's copy engines / symmetric kernels.
         reduce_ring: symmetric buffers the gradient reduce-scatters run in (else fresh tensors)."""
@@ -105,6 +121,7 @@ class ShardedUnit:
         self.layout = layout
         self.group = group
         self.reduce_group = group if reduce_group is None else reduce_group   # reduce-scatters run here
+        self.replicate_group = replicate_group         # and then all-reduces of the shard, here
         self.backend = group.backend
         self.rank = group.rank
         self.master_dtype = master_dtype
@@ -120,6 +137,8 @@ class ShardedUnit:
             self.pack_slots([p.detach().contiguous() for p in params], flat)
             if sync_from_first_rank and group.world_size > 1:
                 dist.broadcast(flat, src=group.ranks[0], group=group)
+            if sync_from_first_rank and replicate_group is not None:
+                dist.broadcast(flat, src=replicate_group.ranks[0], group=replicate_group)
             mine = flat[self.rank * k: (self.rank + 1) * k]
             self.alias = persistent and self.compute_dtype == master_dtype
             if full_buffer is not None:
@@ -257,8 +276,18 @@ class ShardedUnit:
             work = dist.reduce_scatter_tensor(out, inp, op=ReduceOp.AVG, group=self.reduce_group, async_op=True)
         return PendingReduce(self, work, out, inp)
 
+    def reduce_across_replicas(self, pending: PendingReduce) -> None:
+        """Hybrid sharding: once the reduce-scatter is done, average the shard over the replicas
+        (async; the caller waits). The input is spent: freed here."""
+        pending.work.wait()
+        pending.inp = None
+        pending.replicas_left = False
+        pending.work = dist.all_reduce(pending.out, op=ReduceOp.AVG, group=self.replicate_group, async_op=True)
+
     def finish_reduce(self, pending: PendingReduce) -> None:
         """Wait for `pending` and add its result to the parameters' .grad (master dtype)."""
+        if pending.replicas_left:
+            self.reduce_across_replicas(pending)
         pending.work.wait()
         # The input is spent once the reduce-scatter is done: free it before the cast allocates.
         pending.inp = None

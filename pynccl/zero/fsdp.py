@@ -30,6 +30,11 @@ What users see:
     find_unused_parameters); stage 3 gives unused ones, and units that did not run, a zero
     gradient (AdamW's weight decay still moves them, as in torch FSDP).
   * Gradients are averaged over the group (ReduceOp.AVG), in MixedPrecision.reduce_dtype.
+  * Hybrid sharding (torch FSDP's HYBRID_SHARD, FSDP2's 2-D mesh): process_group=(shard_group,
+    replicate_group), mesh=ParallelMesh(dp_shard=...) or a 2-D torch DeviceMesh (replicate, shard).
+    Everything is sharded within the shard group (a node); gradients are reduce-scattered there,
+    then averaged across the replicate group, so they are the mean over every rank. Checkpoints
+    hold one replica's shards (the first replica writes them, every replica loads them).
   * Global-norm clipping: model.clip_grad_norm_(max_norm) or
     pynccl.clip_grad_norm_(model.parameters(), max_norm), which knows which tensors are shards
     (torch.nn.utils.clip_grad_norm_ would compute a local norm on each rank).
@@ -42,12 +47,11 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from ..comm import distributed as dist
 from ..comm.coalesced import MiB, broadcast_from_rank0
 from ..comm.distributed import ProcessGroup
-from ..comm.groups import resolve_group
 from . import checkpoint, clip
 from . import state_dict_type as _sd_type
+from .hybrid import broadcast_to_replicas, resolve_dp_groups
 from . import state_dict as _state_dict
 from .memory import held_bytes
 from .mixed_precision import MixedPrecision, cast_inputs, check_policy
@@ -65,11 +69,13 @@ class FullyShardedDataParallel(nn.Module):
     (default: the default group). bucket_cap_mb: gradient bucket size of stages 1/2.
     wrap_modules (stage 3): None/"auto", module classes, submodules, or a predicate.
     sync_module_states: start from rank 0's parameters and buffers.
+    process_group=(shard_group, replicate_group) or mesh= (a ParallelMesh with dp_shard, or a
+    torch DeviceMesh of dims (replicate, shard)): hybrid sharding (hybrid.py).
     """
 
     def __init__(self, module: nn.Module, stage: int = 1, process_group: Optional[ProcessGroup] = None,
                  mixed_precision: Optional[MixedPrecision] = None, bucket_cap_mb: float = 25,
-                 wrap_modules: WrapSpec = None, sync_module_states: bool = True):
+                 wrap_modules: WrapSpec = None, sync_module_states: bool = True, mesh=None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -82,8 +88,9 @@ class FullyShardedDataParallel(nn.Module):
         if wrap_modules is not None and stage != 3:
             raise ValueError(f"FullyShardedDataParallel: wrap_modules only applies to stage 3, got stage={stage}")
         self.policy = check_policy(mixed_precision)
-        # A pynccl or torch.distributed group (resolve_group maps a torch one); TypeError otherwise.
-        self.process_group = dist.get_default_group() if process_group is None else resolve_group(process_group)
+        # pynccl or torch.distributed groups (resolve_group maps a torch one); TypeError otherwise.
+        # process_group is the shard group: what state_dict.py and checkpoint.py gather over.
+        self.process_group, self.replicate_group = resolve_dp_groups(process_group, mesh)
         self.stage = stage
         self.device = self.process_group.backend.device
         module.to(self.device)
@@ -95,14 +102,18 @@ class FullyShardedDataParallel(nn.Module):
         if not any(i.requires_grad for i in self._param_infos):
             raise ValueError("FullyShardedDataParallel: the module has no parameter that requires grad")
         self._keep_frozen(tensors, sync_module_states)
-        if sync_module_states and self.process_group.world_size > 1:
-            broadcast_from_rank0(self.process_group.backend, [buf for _, buf in named_buffers_all(module)])
+        if sync_module_states:
+            buffers = [buf for _, buf in named_buffers_all(module)]
+            if self.process_group.world_size > 1:
+                broadcast_from_rank0(self.process_group.backend, buffers)
+            broadcast_to_replicas(self.replicate_group, buffers)
         if stage == 3:
-            self._runtime = ShardedParamsRuntime(unit_modules, self._param_infos, tensors,
-                                                 self.process_group, self.policy, sync_module_states)
+            self._runtime = ShardedParamsRuntime(unit_modules, self._param_infos, tensors, self.process_group,
+                                                 self.policy, sync_module_states, self.replicate_group)
         else:
             self._runtime = ReplicatedParamsRuntime(stage, self._param_infos, tensors, self.process_group,
-                                                    self.policy, int(bucket_cap_mb * MiB), sync_module_states)
+                                                    self.policy, int(bucket_cap_mb * MiB), sync_module_states,
+                                                    self.replicate_group)
         del tensors
 
     def _keep_frozen(self, tensors: List[torch.Tensor], sync: bool) -> None:
@@ -110,6 +121,8 @@ class FullyShardedDataParallel(nn.Module):
         frozen = [(info, t.detach()) for info, t in zip(self._param_infos, tensors) if not info.requires_grad]
         if sync and self.process_group.world_size > 1:
             broadcast_from_rank0(self.process_group.backend, [master for _, master in frozen])
+        if sync:
+            broadcast_to_replicas(self.replicate_group, [master for _, master in frozen])
         for info, master in frozen:
             info.frozen_master = master
             dtype = self.policy.param_dtype

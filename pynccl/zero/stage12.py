@@ -38,7 +38,7 @@ class ReplicatedParamsRuntime:
     """Owns the units, the full-parameter leaves the module computes with, and the bucketer."""
 
     def __init__(self, stage: int, infos: List[ParamInfo], tensors: List[torch.Tensor], group, policy,
-                 bucket_cap_bytes: int, sync_module_states: bool):
+                 bucket_cap_bytes: int, sync_module_states: bool, replicate_group=None):
         self.stage = stage
         trainable = [(info, t) for info, t in zip(infos, tensors) if info.requires_grad]
         # Leaves the module computes with; their memory is pointed into a unit's flat buffer below
@@ -67,7 +67,7 @@ class ReplicatedParamsRuntime:
         for bucket, members, layout, full in zip(self.bucketer.buckets, members_of, layouts, fulls or [None] * len(layouts)):
             unit = ShardedUnit(len(self.units), layout, [t for _, t in members], group, policy.param_dtype,
                                policy.reduce_dtype, persistent=True, sync_from_first_rank=sync_module_states,
-                               full_buffer=full, reduce_ring=ring)
+                               replicate_group=replicate_group, full_buffer=full, reduce_ring=ring)
             unit_leaves = [leaves[i] for i in bucket.param_indices]
             with torch.no_grad():
                 for slot_idx, (leaf, view, (info, _)) in enumerate(zip(unit_leaves, layout.views(unit.full), members)):

@@ -48,7 +48,7 @@ class ShardedParamsRuntime:
     """Owns the stage-3 units, their module hooks and the saved-tensor hooks."""
 
     def __init__(self, unit_modules: List[nn.Module], infos: List[ParamInfo],
-                 tensors: List[torch.Tensor], group, policy, sync_module_states: bool):
+                 tensors: List[torch.Tensor], group, policy, sync_module_states: bool, replicate_group=None):
         _never_compiled(ShardedParamsRuntime.pack, ShardedParamsRuntime.unpack)
         unit_of_module: Dict[int, int] = {}
         for u_idx, m in enumerate(unit_modules, start=1):
@@ -77,7 +77,7 @@ class ShardedParamsRuntime:
                                 [i.index for i, _ in group_members], group.world_size)
             unit = ShardedUnit(len(self.units), layout, [t for _, t in group_members], group, policy.param_dtype,
                                policy.reduce_dtype, persistent=False, sync_from_first_rank=sync_module_states,
-                               reduce_group=self.reduce_group)
+                               reduce_group=self.reduce_group, replicate_group=replicate_group)
             for slot_idx, (info, _) in enumerate(group_members):
                 info.location = (unit.index, slot_idx)
             self.units.append(unit)
