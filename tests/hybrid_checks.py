@@ -4,7 +4,7 @@ LOCAL_WORLD_SIZE=2) and by the torchrun jobs of tests/test_multinode.py (gloo, 2
 tests/test_multinode_gpu.py (NCCL over sockets, 2 agents × 1 GPU), through multinode_worker.py.
 
 Every training check compares with one process training the unwrapped model on the global batch
-(test_zero's Net, data, AdamW and its 1e-6 tolerance: fp32, 5 steps, sums in another order).
+(test_zero's Net, data, AdamW, and its bounds derived from the numerics: tests/numerics.py).
 """
 import functools
 import os
@@ -17,7 +17,8 @@ import pynccl
 from pynccl.comm.nodes import NodeLayout, node_layout
 from pynccl.mesh import ParallelMesh
 
-from test_zero import LR, STEPS, TOL, global_batch, local, make_net
+import test_zero
+from test_zero import GRAD_RTOL, LR, STEPS, global_batch, local, make_net
 
 
 def device():
@@ -40,24 +41,14 @@ def train(model, opt, steps, rank, ws, clip=None):
 
 
 def reference(steps=range(STEPS), clip=None):
-    """One process, the unwrapped model, the whole global batch: (state dict on CPU, clip norms)."""
-    net = make_net().to(device())
-    opt = torch.optim.AdamW(net.parameters(), lr=LR)
-    norms = train(net, opt, steps, 0, 1, clip)
-    return {k: v.detach().cpu() for k, v in net.state_dict().items()}, norms
+    """One process, the unwrapped model, the whole global batch: ({key: (value, element-wise
+    bound)}, clip norms) — test_zero's reference."""
+    return test_zero.reference(steps, clip=clip)
 
 
-def tolerance():
-    """test_zero's 1e-6 on CPU; on GPUs test_zero_gpu's 1e-5: GEMMs of the local and the global batch
-    take different kernels (split-K, tiling), so their sums run in different orders."""
-    return TOL if device().type == "cpu" else 1e-5
-
-
-def assert_close(actual, expected, what, atol=None):
-    atol = tolerance() if atol is None else atol
-    assert sorted(actual) == sorted(expected), f"{what}: keys differ"
-    for k in expected:
-        torch.testing.assert_close(actual[k].cpu(), expected[k], atol=atol, rtol=0, msg=lambda m: f"{what} [{k}]: {m}")
+def assert_close(actual, expected, what):
+    """actual: a state dict (any device); expected: reference()'s {key: (value, bound)}."""
+    test_zero.assert_close({k: v.cpu() for k, v in actual.items()}, expected, what)
 
 
 def node_groups():
@@ -141,20 +132,20 @@ def check_hybrid_training(rank, ws, shard, replicate):
 
         model, opt = wrap(stage, process_group=(shard, replicate))
         norms = train(model, opt, range(STEPS), rank, ws, clip=0.5)
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=tolerance(), atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=GRAD_RTOL, atol=0)
         assert_close(model.full_state_dict(), clipped, f"hybrid stage {stage} clipped")
 
 
 def check_hybrid_mixed_precision(rank, ws, shard, replicate):
     """bf16 compute with fp32 reductions: both collectives of the reduce run in the reduce dtype
-    (test_zero's emulation of MixedPrecision, and its 1e-4 for fp32 reductions)."""
+    (test_zero's emulation of MixedPrecision and its derived bounds)."""
     from test_zero import reference_mixed
     from pynccl.zero import MixedPrecision
-    expected = reference_mixed(ws, torch.float32)
+    expected, _ = reference_mixed(ws, torch.float32)
     model, opt = wrap(3, process_group=(shard, replicate),
                       mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     train(model, opt, range(STEPS), rank, ws)
-    assert_close(model.full_state_dict(), expected, "hybrid stage 3, bf16 compute, fp32 reductions", atol=1e-4)
+    assert_close(model.full_state_dict(), expected, "hybrid stage 3, bf16 compute, fp32 reductions")
 
 
 def check_hybrid_meshes(rank, ws, ranks_per_node):

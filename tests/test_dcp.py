@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor, Shard
 import pynccl
 from pynccl import zero
 from pynccl.testing import run_multiprocess
-from test_zero import LR, STEPS, TOL, assert_close, global_batch, local, make_net
+import test_zero
+from test_zero import GRAD_RTOL, LR, STEPS, global_batch, local, make_net
 
 SAVED_AT = 2                         # steps before the checkpoint
 SOURCES = ["zero1", "zero2", "zero3", "fsdp2"]
@@ -292,7 +293,7 @@ def _frozen_and_sgd_load(rank, ws, root):
 
 # ---------------------------------------------------------------------- world size 3: load
 def _load_side(rank, ws, root, ref_losses):
-    expected_params = run_steps_plain(*_plain())[1]
+    expected_params = test_zero.reference()[0]        # {key: (value, element-wise bound)}
     for source in SOURCES:
         path = os.path.join(root, source)
         for target in TARGETS:
@@ -302,9 +303,10 @@ def _load_side(rank, ws, root, ref_losses):
             loaded = whole(get_sd(model, opt, FULL))
             assert_equal_nested(loaded, read_whole(path, loaded), what)
             losses = run_steps(model, opt, range(SAVED_AT, STEPS), rank, ws)
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[SAVED_AT:]), rtol=0, atol=TOL,
+            # a loss is the forward chain's output: within the chain's relative bound
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[SAVED_AT:]), rtol=GRAD_RTOL, atol=0,
                                        msg=lambda m: f"{what}: losses {losses} vs {ref_losses[SAVED_AT:]}: {m}")
-            assert_close(whole(get_sd(model, opt, FULL)["model"]), expected_params, what)
+            test_zero.assert_close(whole(get_sd(model, opt, FULL)["model"]), expected_params, what)
     _frozen_and_sgd_load(rank, ws, root)
     return True
 
@@ -339,7 +341,8 @@ def test_dcp_to_torch_save_loads_into_the_plain_model(checkpoints, tmp_path):
             for p in net.parameters():
                 p.zero_()
         net.load_state_dict(sd["model"], strict=True)
-        assert_close(net.state_dict(), sd["model"], source, atol=0)
+        for k, v in net.state_dict().items():
+            assert torch.equal(v, sd["model"][k]), (source, k)
         assert any(v.abs().sum() > 0 for v in net.state_dict().values())
         assert sorted(sd["optim"]["state"]) == sorted(n for n, _ in net.named_parameters())
         for name, p in net.named_parameters():
