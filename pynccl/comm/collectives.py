@@ -68,14 +68,14 @@ def _async(work, outputs):
 def broadcast(tensor, src, group=None, async_op=False):
     g = resolve_group(group)
     _check_tensor("broadcast", "tensor", tensor)
-    return _ret(g.backend.broadcast(tensor, g.group_rank(src, "src"), async_op), [tensor])
+    return _ret(g.backend.broadcast(tensor, g.to_group_rank(src, "src"), async_op), [tensor])
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
     op = as_reduce_op(op, "reduce")
     g = resolve_group(group)
     _check_tensor("reduce", "tensor", tensor)
-    return _ret(g.backend.reduce(tensor, g.group_rank(dst, "dst"), op, async_op), [tensor])
+    return _ret(g.backend.reduce(tensor, g.to_group_rank(dst, "dst"), op, async_op), [tensor])
 
 
 def _ret(work, outputs):
@@ -178,11 +178,11 @@ def _rooted_list_args(fn: str, g, tensor, tensor_list, root_rank: int, root_name
     """Checks shared by gather and scatter: the list lives on the root only. Returns
     (group-local root, the list or None)."""
     n = g.backend.world_size
-    root = g.group_rank(root_rank, root_name)
+    root = g.to_group_rank(root_rank, root_name)
     _check_tensor(fn, "tensor", tensor)
-    if g.rank != root:
+    if g.group_rank != root:
         if tensor_list:
-            raise ValueError(f"{fn}: {list_name} must be None or empty on non-{root_name} rank {g.rank}")
+            raise ValueError(f"{fn}: {list_name} must be None or empty on non-{root_name} rank {g.group_rank}")
         return root, None
     _check_list(fn, f"{list_name} (on the {root_name} rank)", tensor_list, n)
     for i, t in enumerate(tensor_list):
@@ -205,7 +205,7 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
 def send(tensor, dst, group=None, tag=0):
     g = resolve_group(group)
     _check_tensor("send", "tensor", tensor)
-    g.backend.send(tensor, g.group_rank(dst, "dst"), False)
+    g.backend.send(tensor, g.to_group_rank(dst, "dst"), False)
 
 
 def recv(tensor, src=None, group=None, tag=0):
@@ -216,14 +216,14 @@ def recv(tensor, src=None, group=None, tag=0):
     _check_tensor("recv", "tensor", tensor)
     if src is None:
         return g.ranks[g.backend.recv_any_source(tensor)]
-    g.backend.recv(tensor, g.group_rank(src, "src"), False)
+    g.backend.recv(tensor, g.to_group_rank(src, "src"), False)
     return src
 
 
 def isend(tensor, dst, group=None, tag=0) -> Work:
     g = resolve_group(group)
     _check_tensor("isend", "tensor", tensor)
-    return _async(g.backend.send(tensor, g.group_rank(dst, "dst"), True), [tensor])
+    return _async(g.backend.send(tensor, g.to_group_rank(dst, "dst"), True), [tensor])
 
 
 def irecv(tensor, src=None, group=None, tag=0) -> Work:
@@ -232,7 +232,7 @@ def irecv(tensor, src=None, group=None, tag=0) -> Work:
     if src is None:
         raise NotImplementedError("irecv: src=None (any source) is not supported; use the blocking "
                                   "recv(tensor, src=None) on gloo (it returns the sender), or pass src=")
-    return _async(g.backend.recv(tensor, g.group_rank(src, "src"), True), [tensor])
+    return _async(g.backend.recv(tensor, g.to_group_rank(src, "src"), True), [tensor])
 
 
 def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
@@ -251,7 +251,7 @@ def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
             _explain_bad_p2p(p2p_op_list)
         peer = rank_of.get(p.peer)
         if peer is None or type(p.peer) is not int:
-            g.group_rank(p.peer, "peer")  # raises, naming the group
+            g.to_group_rank(p.peer, "peer")  # raises, naming the group
         ops.append((p.is_send, p.tensor, peer))
     work = _async(g.backend.batch_isend_irecv(ops), [t for _, t, _ in ops])
     return [work] * len(ops)
@@ -329,8 +329,8 @@ def broadcast_object_list(object_list: list, src: int = 0, group=None) -> None:
     """Replace `object_list`'s entries on every rank with those of global rank `src`."""
     g = resolve_group(group)
     dev = g.backend.device
-    root = g.group_rank(src, "src")
-    payload = _object_to_tensor(list(object_list), dev) if g.rank == root else None
+    root = g.to_group_rank(src, "src")
+    payload = _object_to_tensor(list(object_list), dev) if g.group_rank == root else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=dev)
     broadcast(size, src, group=g)
     if payload is None:

@@ -28,11 +28,24 @@ class _Unusable:
         raise self._error
 
 
+class GroupRank(int):
+    """This process's rank in a group, as an int that may also be called: `g.rank()` is torch's
+    ProcessGroup.rank(); `g.rank` used as an int is pynccl 0.1's attribute, so code written
+    either way gets the same number (a plain method would make the old `g.rank == 0` silently
+    False). New code reads `g.rank()` or `g.group_rank`."""
+
+    __slots__ = ()
+
+    def __call__(self) -> int:
+        return int(self)
+
+
 class ProcessGroup:
     """A set of global ranks and the Backend that talks to them.
 
-    `rank` / `world_size` are this process's position in the group (like
-    torch.distributed.get_rank(group)); `ranks` are the global ranks, in group order.
+    As torch's ProcessGroup: `rank()` / `size()` are this process's position in the group and
+    the group's size (torch.distributed.get_rank(group) / get_world_size(group)). The same as
+    plain ints: `group_rank` and `world_size`. `ranks` are the global ranks, in group order.
     """
 
     def __init__(self, backend, ranks: Sequence[int], name: str, timeout_s: float, backend_name: str):
@@ -42,9 +55,18 @@ class ProcessGroup:
         self.timeout_s = timeout_s
         self.backend_name = backend_name
         self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
-        self.rank = -1 if isinstance(backend, _Unusable) else backend.rank
+        self.group_rank = -1 if isinstance(backend, _Unusable) else backend.rank
         self.world_size = len(self.ranks)
         self._torch_group = None   # the torch ProcessGroup of the same ranks (torch_interop.py)
+
+    @property
+    def rank(self) -> GroupRank:
+        """torch's `g.rank()`; see GroupRank."""
+        return GroupRank(self.group_rank)
+
+    def size(self) -> int:
+        """torch's ProcessGroup.size(): the number of ranks in the group."""
+        return self.world_size
 
     @property
     def torch_group(self):
@@ -55,12 +77,9 @@ class ProcessGroup:
 
     @property
     def is_member(self) -> bool:
-        return self.rank >= 0
+        return self.group_rank >= 0
 
-    def size(self) -> int:
-        return self.world_size
-
-    def group_rank(self, global_rank: int, what: str = "rank") -> int:
+    def to_group_rank(self, global_rank: int, what: str = "rank") -> int:
         """Group rank of `global_rank`; ValueError naming the group if it is not in it."""
         if not isinstance(global_rank, int) or isinstance(global_rank, bool):
             raise TypeError(f"{what} must be an int (a global rank), got {type(global_rank).__name__}")
@@ -71,7 +90,8 @@ class ProcessGroup:
         return idx
 
     def __repr__(self):
-        return f"ProcessGroup(name={self.name!r}, backend={self.backend_name!r}, ranks={self.ranks}, rank={self.rank})"
+        return (f"ProcessGroup(name={self.name!r}, backend={self.backend_name!r}, ranks={self.ranks}, "
+                f"rank={self.group_rank})")
 
 
 class _State:
@@ -227,7 +247,7 @@ def get_store():
 
 def get_rank(group=None) -> int:
     g = resolve_group(group)
-    return _require_usable(g).rank if g is _state.world else g.rank
+    return _require_usable(g).group_rank if g is _state.world else g.group_rank
 
 
 def get_world_size(group=None) -> int:
@@ -270,7 +290,7 @@ def _next_group_name() -> str:
 def _register(sub, ranks: List[int], name: str, timeout_s: float, backend_name: str) -> ProcessGroup:
     """The ProcessGroup around a split's result (`sub` None on a rank outside `ranks`)."""
     if sub is None:
-        sub = _Unusable(ValueError(f"rank {_state.world.rank} is not a member of group '{name}' "
+        sub = _Unusable(ValueError(f"rank {_state.world.group_rank} is not a member of group '{name}' "
                                    f"(global ranks {ranks})"))
     else:
         sub = _maybe_checked(sub, name)

@@ -23,8 +23,8 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) ->
     g._monitored_calls = seq = getattr(g, "_monitored_calls", 0) + 1
     store = _state.store
     key = f"{_state.key_prefix}/monitored_barrier/{g.name}/{seq}"
-    store.set(f"{key}/rank{g.rank}", "1")
-    if g.rank == 0:
+    store.set(f"{key}/rank{g.group_rank}", "1")
+    if g.group_rank == 0:
         arrived = [f"{key}/rank{r}" for r in range(g.world_size)]
         deadline = time.monotonic() + timeout_s
         missing = []

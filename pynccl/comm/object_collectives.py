@@ -23,16 +23,16 @@ def gather_object(obj, object_gather_list: Optional[list] = None, dst: int = 0, 
     of group-size entries on dst; None elsewhere), as torch.distributed.gather_object."""
     g = resolve_group(group)
     n = g.world_size
-    root = g.group_rank(dst, "dst")
-    if g.rank == root:
+    root = g.to_group_rank(dst, "dst")
+    if g.group_rank == root:
         if not isinstance(object_gather_list, list) or len(object_gather_list) != n:
             got = len(object_gather_list) if isinstance(object_gather_list, list) else type(object_gather_list).__name__
             raise ValueError(f"gather_object: object_gather_list on dst must be a list of world_size({n}) "
                              f"entries, got {got}")
     padded, sizes = padded_object_payload(obj, g)
-    outs = [torch.empty_like(padded) for _ in range(n)] if g.rank == root else None
+    outs = [torch.empty_like(padded) for _ in range(n)] if g.group_rank == root else None
     gather(padded, outs, dst=dst, group=g)
-    if g.rank == root:
+    if g.group_rank == root:
         for i in range(n):
             object_gather_list[i] = _from_bytes(outs[i][: int(sizes[i])])
 
@@ -43,11 +43,11 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
     `scatter_object_output_list[0]`, as torch.distributed.scatter_object_list."""
     g = resolve_group(group)
     n, dev = g.world_size, g.backend.device
-    root = g.group_rank(src, "src")
+    root = g.to_group_rank(src, "src")
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
         raise ValueError("scatter_object_list: scatter_object_output_list must be a non-empty list")
     header = 8   # each slot: the pickle's byte count as int64, then the pickle
-    if g.rank == root:
+    if g.group_rank == root:
         if not isinstance(scatter_object_input_list, list) or len(scatter_object_input_list) != n:
             raise ValueError(f"scatter_object_list: scatter_object_input_list on src must be a list of "
                              f"world_size({n}) objects")
@@ -58,7 +58,7 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
     broadcast(max_size, src, group=g)
     slot = header + int(max_size.item())
     slots = None
-    if g.rank == root:
+    if g.group_rank == root:
         host = torch.zeros(n, slot, dtype=torch.uint8)
         for i, p in enumerate(payloads):
             host[i, :header] = torch.tensor([len(p)], dtype=torch.int64).view(torch.uint8)

@@ -24,7 +24,7 @@ def get_global_rank(group, group_rank: int) -> int:
 
 def get_group_rank(group, global_rank: int) -> int:
     """`global_rank`'s rank in `group` (torch: ValueError if it is not in the group)."""
-    return resolve_group(group).group_rank(global_rank, "global_rank")
+    return resolve_group(group).to_group_rank(global_rank, "global_rank")
 
 
 def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]], timeout=None, backend=None,
@@ -40,7 +40,7 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
             if r in seen:
                 raise ValueError(f"new_subgroups_by_enumeration: rank {r} is in more than one subgroup")
             seen[r] = True
-    me = get_default_group().rank
+    me = get_default_group().group_rank
     mine, subgroups = None, []
     for ranks in ranks_per_subgroup_list:
         g = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc)
@@ -96,7 +96,7 @@ def _split(parent: ProcessGroup, split_ranks, timeout, backend, group_desc, fn: 
     if backend is not None and str(backend) != parent.backend_name:
         raise ValueError(f"{fn}: backend {backend!r} differs from the parent's {parent.backend_name!r}")
     if not parent.is_member:
-        raise ValueError(f"{fn}: global rank {world.rank} is not part of the parent group '{parent.name}'")
+        raise ValueError(f"{fn}: global rank {world.group_rank} is not part of the parent group '{parent.name}'")
     if parent.backend_name == "gloo" and parent.world_size != world.world_size:
         # NOTE: a gloo split is torch.distributed.new_group, collective over the whole default group.
         raise NotImplementedError(f"{fn}: on gloo the parent must span the default group; use "
@@ -119,7 +119,7 @@ def _split(parent: ProcessGroup, split_ranks, timeout, backend, group_desc, fn: 
         # the parent's ranks are here).
         parent._num_splits = getattr(parent, "_num_splits", 0) + 1
         name = f"{parent.name}.split{parent._num_splits}" + (f"[{group_desc}]" if group_desc else "")
-        local = [parent.group_rank(r) for r in ranks]
+        local = [parent.to_group_rank(r) for r in ranks]
         out.append(_register(parent.backend.split(local, timeout_s, name), ranks, name, timeout_s,
                              parent.backend_name))
     return out

@@ -57,7 +57,7 @@ def from_torch_group(pg) -> ProcessGroup:
 
 
 def _members_only_group(pg, ranks, world: ProcessGroup) -> ProcessGroup:
-    group_rank = ranks.index(world.rank)
+    group_rank = ranks.index(world.group_rank)
     # NOTE: torch gives a group the same name on all its members; the use count keeps the store key
     # fresh if a group of that name is mapped again (a new torch group after destroy, a new init).
     uses = _state.torch_group_uses.get(pg.group_name, 0) + 1

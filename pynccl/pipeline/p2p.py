@@ -75,7 +75,7 @@ class PipeTransport:
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
         self.group = group
         self.device = device
-        self.pp_rank = group.rank
+        self.pp_rank = group.group_rank
         self.pp_size = group.world_size
         # NOTE: never written after creation, so every step can send the same "unchanged" header.
         self._unchanged = torch.zeros(1, dtype=torch.int64, device=device)

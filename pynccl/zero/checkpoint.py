@@ -58,13 +58,13 @@ def _param_positions(model, optimizer) -> List[int]:
 
 def save_sharded(model, path: str, optimizer=None) -> None:
     g = model.process_group
-    token = [uuid.uuid4().hex if g.rank == 0 else None]
+    token = [uuid.uuid4().hex if g.group_rank == 0 else None]
     dist.broadcast_object_list(token, src=g.ranks[0], group=g)
-    final = shard_file(path, g.rank, g.world_size)
+    final = shard_file(path, g.group_rank, g.world_size)
     staged, error = final + ".staged", None
     try:
         payload = {
-            "format": FORMAT, "token": token[0], "rank": g.rank, "world_size": g.world_size, "stage": model.stage,
+            "format": FORMAT, "token": token[0], "rank": g.group_rank, "world_size": g.world_size, "stage": model.stage,
             "units": [u.layout.metadata() for u in model.units],
             "shards": [u.check_params() or u.shard.detach().cpu() for u in model.units],
             "param_names": [info.names for info in model._param_infos],
@@ -131,7 +131,7 @@ def _check_tokens(tokens, path) -> None:
 
 def load_sharded(model, path: str, optimizer=None) -> None:
     g = model.process_group
-    mine = shard_file(path, g.rank, g.world_size)
+    mine = shard_file(path, g.group_rank, g.world_size)
     payload = _read(mine) if os.path.exists(mine) else None
     same = (payload is not None and payload["world_size"] == g.world_size
             and payload["units"] == [u.layout.metadata() for u in model.units]

@@ -86,7 +86,7 @@ def full_state_dict(model, rank0_only: bool = False) -> dict:
     for unit in model.units:                           # NOTE: collective, same unit order on every rank
         unit.check_params()
         params.update(split_flat(unit.layout, _gather_flat(model, unit, unit.shard)))
-    if rank0_only and model.process_group.rank != 0:
+    if rank0_only and model.process_group.group_rank != 0:
         return OrderedDict()
     buffers = {name: _cpu_clone(b) for name, b in named_buffers_all(model.module)}
     return model_state(model._param_infos, params, buffers)
@@ -128,7 +128,7 @@ def full_optim_state_dict(model, optimizer, rank0_only: bool = False) -> dict:
             for i in states:
                 index = unit.layout.slots[i].param_index
                 state[index][key] = full[index]
-    if rank0_only and model.process_group.rank != 0:
+    if rank0_only and model.process_group.group_rank != 0:
         return {}
     groups = [{**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
                "params": [param_index_of(e) for e in row]} for g, row in zip(optimizer.param_groups, per_group)]
@@ -156,7 +156,7 @@ def _load_model(model, state_dict: dict, strict: bool) -> None:
         return None
 
     by_index = {i.index: i for i in infos}
-    rank = model.process_group.rank
+    rank = model.process_group.group_rank
     with torch.no_grad():
         for unit in model.units:
             found = [lookup(by_index[s.param_index]) for s in unit.layout.slots]
@@ -190,7 +190,7 @@ def _load_optim(model, osd: dict, optimizer) -> None:
                          f"{[len(g['params']) for g in saved_groups]} parameters, this optimizer "
                          f"{[len(row) for row in per_group]}; build it with the same param groups")
     saved_state = {int(k): v for k, v in osd["state"].items()}
-    rank = model.process_group.rank
+    rank = model.process_group.group_rank
     new_state, new_groups, pos = {}, [], 0
     for saved, row in zip(saved_groups, per_group):
         positions = []
