@@ -99,8 +99,11 @@ def _new_functions(rank, ws):
     # new_subgroups / by_enumeration: the same ranks as torch's
     mine, subs = pynccl.new_subgroups(group_size=1)
     tmine, tsubs = tdist.new_subgroups(group_size=1)
-    # torch lists NON_GROUP_MEMBER for the blocks a rank is not in; pynccl lists every group
-    assert [g.ranks for g in subs] == [[0], [1], [2]]
+    # as torch's: NON_GROUP_MEMBER for the blocks a rank is not in
+    def ranks_of(groups, get_ranks):
+        return [None if g is pynccl.GroupMember.NON_GROUP_MEMBER else get_ranks(g) for g in groups]
+    assert ranks_of(subs, lambda g: g.ranks) == ranks_of(tsubs, tdist.get_process_group_ranks) == \
+        [[r] if r == rank else None for r in range(ws)]
     assert mine.ranks == tdist.get_process_group_ranks(tmine) == [rank]
     mine, subs = pynccl.new_subgroups_by_enumeration([[0, 2], [1]])
     tmine, _ = tdist.new_subgroups_by_enumeration([[0, 2], [1]])
@@ -134,11 +137,19 @@ def _new_functions(rank, ws):
     expected = [t.clone() for t in tensors]
     for t in expected:
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-    work = pynccl.all_reduce_coalesced(tensors, op=pynccl.ReduceOp.MAX, async_op=True)
-    assert work.get_future().wait() == tensors
+    fut = pynccl.all_reduce_coalesced(tensors, op=pynccl.ReduceOp.MAX, async_op=True)
+    assert isinstance(fut, torch.futures.Future) and fut.wait() == tensors   # torch returns a Future too
     assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
-    with pytest.raises(NotImplementedError, match="all_gather_into_tensor"):
-        pynccl.all_gather_coalesced([[torch.empty(1)] * ws], [torch.empty(1)])
+    # all_gather_coalesced (deprecated in torch, with a FutureWarning): torch's result
+    inputs = [torch.arange(3.0) + rank, torch.full((2, 2), 10.0 * rank)]
+    ours = [[torch.empty_like(t) for t in inputs] for _ in range(ws)]
+    theirs = [[torch.empty_like(t) for t in inputs] for _ in range(ws)]
+    with pytest.warns(FutureWarning, match="deprecated"):
+        assert pynccl.all_gather_coalesced(ours, inputs) is None
+    with pytest.warns(FutureWarning):
+        tdist.all_gather_coalesced(theirs, inputs)
+    assert all(torch.equal(a, b) for ra, rb in zip(ours, theirs) for a, b in zip(ra, rb))
+    assert torch.equal(ours[2][1], torch.full((2, 2), 20.0))
     # Work.get_future: value is [tensor], after AVG's division; then() chains; torch's agrees
     t, u = torch.arange(4.0) * (rank + 1), torch.arange(4.0) * (rank + 1)
     fut = pynccl.all_reduce(t, op=pynccl.ReduceOp.AVG, async_op=True).get_future()
@@ -229,8 +240,18 @@ def test_init_process_group_signature_is_torchs():
     assert inspect.signature(pynccl.init_process_group).parameters["check_collectives"].kind == inspect.Parameter.KEYWORD_ONLY
     with pytest.raises(TypeError, match="pg_options must be a pynccl NcclOptions"):
         pynccl.init_process_group("gloo", pg_options=object())
-    with pytest.raises(ValueError, match="a pynccl group has one backend"):
-        pynccl.init_process_group("cpu:gloo,cuda:nccl")
+
+
+def test_backend_names_as_torch_takes_them():
+    """torch's spellings of a backend map to pynccl's one backend per group (a comm-free check)."""
+    from pynccl.comm.groups import parse_backend
+    for given, expected in [("nccl", "nccl"), ("NCCL", "nccl"), (tdist.Backend.NCCL, "nccl"), ("gloo", "gloo"),
+                            (tdist.Backend.GLOO, "gloo"), ("cpu:gloo,cuda:nccl", "nccl"), ("cuda:nccl,cpu:gloo", "nccl"),
+                            ("cuda:nccl", "nccl"), ("cpu:gloo", "gloo")]:
+        assert parse_backend("f", given) == expected, given
+    for bad in ("mpi", "cuda:gloo", "cpu:gloo,cpu:gloo", "cpu"):
+        with pytest.raises(ValueError, match="f: backend"):
+            parse_backend("f", bad)
 
 
 # ----------------------------------------------------------------------------- GPU (nccl)

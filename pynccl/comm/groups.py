@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import rendezvous
+from .membership import NON_GROUP_MEMBER, is_non_member
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -136,6 +137,37 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and _ext._C is not None else "gloo"
 
 
+def parse_backend(fn: str, backend) -> str:
+    """pynccl's backend ("nccl" or "gloo") for a backend as torch takes it: None, "nccl", "gloo",
+    torch.distributed.Backend.NCCL (a str), any case ("NCCL"), or torch's per-device string
+    ("cpu:gloo,cuda:nccl"). A pynccl group runs one backend: "cuda:nccl" in the string makes it
+    nccl (CUDA tensors; CPU tensors then go through torch.distributed's own default group, which
+    pynccl makes "cpu:gloo,cuda:nccl" as torch would), else gloo (CPU tensors)."""
+    if backend is None:
+        return _default_backend()
+    if not isinstance(backend, str):
+        raise TypeError(f"{fn}: backend must be a str (e.g. 'nccl', 'gloo', torch.distributed.Backend.NCCL or "
+                        f"'cpu:gloo,cuda:nccl') or None, got {type(backend).__name__}")
+    name = backend.strip().lower()
+    if name in ("nccl", "gloo"):
+        return name
+    if ":" in name:
+        pairs = {}
+        for pair in name.split(","):
+            device, _, impl = pair.strip().partition(":")
+            if not impl or device in pairs:
+                raise ValueError(f"{fn}: backend {backend!r} is not torch's '<device>:<backend>,...' form "
+                                 f"(e.g. 'cpu:gloo,cuda:nccl')")
+            pairs[device] = impl
+        unsupported = [f"{d}:{b}" for d, b in pairs.items() if (d, b) not in (("cpu", "gloo"), ("cuda", "nccl"))]
+        if not unsupported:
+            return "nccl" if "cuda" in pairs else "gloo"
+        raise ValueError(f"{fn}: backend {backend!r}: pynccl runs cpu:gloo and cuda:nccl, not "
+                         f"{', '.join(unsupported)} (pynccl's gloo groups take CPU tensors only)")
+    raise ValueError(f"{fn}: backend must be 'nccl', 'gloo', torch's 'cpu:gloo,cuda:nccl' form or None, got "
+                     f"{backend!r}")
+
+
 def _make_backend(backend: str, rank: int, world_size: int, timeout_s: float, device_id, store, prefix: str,
                   name: str, options):
     if backend == "gloo":
@@ -154,23 +186,24 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     in its positional order; check_collectives is pynccl's own (keyword only).
 
     backend: "nccl" (CUDA tensors, pynccl's communicator) or "gloo" (CPU tensors, torch's gloo);
-    None picks "nccl" where CUDA and the extension are present, else "gloo".
+    None picks "nccl" where CUDA and the extension are present, else "gloo"; torch's spellings
+    are taken too (parse_backend: Backend.NCCL, "NCCL", "cpu:gloo,cuda:nccl").
     timeout: seconds or a datetime.timedelta (default 600 s).
     Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
     unless rank/world_size/store are given. If torch.distributed is already initialised,
     its rank, world size and store are reused, so scripts that set it up keep working.
-    A gloo torch.distributed default group is always present afterwards (it carries the
-    CPU-side helpers such as DistributedSampler and object collectives).
+    Otherwise torch.distributed's default group is made on the same store, as torch's
+    init_process_group(backend) would make it: "cpu:gloo,cuda:nccl" for "nccl" (torch code that
+    follows, init_device_mesh("cuda", ...), DTensor, fully_shard, torch.distributed.all_reduce
+    on CUDA or CPU tensors, just works; torch's NCCL communicator is made lazily, at torch's first
+    CUDA collective, so init costs what it did) and "gloo" for "gloo". pynccl's own functions
+    take the group's device only: CUDA tensors on "nccl", CPU tensors on "gloo".
     group_name: the default group's name in errors and flight records ("" -> "world").
     pg_options: for "nccl", a pynccl NcclOptions (or a dict of its fields); None for "gloo".
     check_collectives (default: PYNCCL_CHECK_COLLECTIVES=1): compare every collective's
     signature across ranks through the store first (see collective_check.py).
     """
-    backend = _default_backend() if backend is None else str(backend)
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"init_process_group: backend must be 'nccl' or 'gloo' (or None), got {backend!r}; a pynccl "
-                         f"group has one backend (for torch's 'cpu:gloo,cuda:nccl' pass 'nccl': CPU-side helpers "
-                         f"run on the gloo torch.distributed group pynccl sets up)")
+    backend = parse_backend("init_process_group", backend)
     if pg_options is not None:
         from .backends.nccl import NcclOptions
         if backend != "nccl" or not isinstance(pg_options, (NcclOptions, dict)):
@@ -183,7 +216,8 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     if backend == "nccl":
         from .._ext import require_extension
         require_extension("backend='nccl'")
-    rank, world_size, store, owns = rendezvous.bootstrap(init_method, rank, world_size, timeout_s, store)
+    rank, world_size, store, owns = rendezvous.bootstrap(init_method, rank, world_size, timeout_s, store,
+                                                      torch_backend=rendezvous.torch_backend_for(backend))
     prefix = f"pynccl/{rendezvous.next_generation()}"
     name = group_name or "world"
     be = _make_backend(backend, rank, world_size, timeout_s, device_id, store, prefix, name, pg_options)
@@ -218,12 +252,17 @@ def is_initialized() -> bool:
 def resolve_group(group) -> ProcessGroup:
     """The ProcessGroup `group` stands for: the default group for None; for a torch.distributed
     ProcessGroup, the pynccl group of the same global ranks (made on first use, then cached:
-    torch_interop.py). TypeError for anything else. The one place every API that takes
-    `group=` / `process_group=` normalises it (collectives, DDP, FSDP, TP, PipelineStage)."""
+    torch_interop.py); for a 1-D torch DeviceMesh, its group. ValueError for
+    GroupMember.NON_GROUP_MEMBER (the functions of pynccl.comm.distributed skip it first, as
+    torch's do); TypeError for anything else. The one place every API that takes `group=` /
+    `process_group=` normalises it (collectives, DDP, FSDP, TP, PipelineStage)."""
     if group is None:
         return _state.world
     if type(group) is ProcessGroup:
         return group
+    if is_non_member(group):
+        raise ValueError("group is GroupMember.NON_GROUP_MEMBER: this rank is not in that group (new_group / "
+                         "split_group return it on ranks outside the group); call this only on its members")
     from .torch_interop import from_torch_group
     return from_torch_group(group)
 
@@ -246,11 +285,17 @@ def get_store():
 
 
 def get_rank(group=None) -> int:
+    """This process's rank in `group` (default: the default group); -1 for NON_GROUP_MEMBER."""
+    if is_non_member(group):
+        return -1
     g = resolve_group(group)
     return _require_usable(g).group_rank if g is _state.world else g.group_rank
 
 
 def get_world_size(group=None) -> int:
+    """The number of ranks of `group` (default: the default group); -1 for NON_GROUP_MEMBER."""
+    if is_non_member(group):
+        return -1
     g = resolve_group(group)
     return _require_usable(g).world_size if g is _state.world else g.world_size
 
@@ -264,7 +309,8 @@ def get_device(group=None) -> torch.device:
     return resolve_group(group).backend.device
 
 
-def get_process_group_ranks(group=None) -> List[int]:
+def get_process_group_ranks(group) -> List[int]:
+    """The global ranks of `group` (None: the default group), in group order."""
     return list(resolve_group(group).ranks)
 
 
@@ -300,17 +346,22 @@ def _register(sub, ranks: List[int], name: str, timeout_s: float, backend_name: 
 
 
 def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Optional[str] = None,
-              pg_options=None, use_local_synchronization: bool = False, group_desc: Optional[str] = None
-              ) -> ProcessGroup:
+              pg_options=None, use_local_synchronization: bool = False, group_desc: Optional[str] = None,
+              device_id=None):
     """A group over the given global ranks. Collective over the default group: every rank
-    calls it with the same `ranks`, members and non-members alike (as in torch). On a rank
-    outside `ranks`, the returned group raises on use. torch's pg_options and
-    use_local_synchronization=True are refused (a split is collective over the parent);
-    group_desc names the group."""
+    calls it with the same `ranks`, members and non-members alike (as in torch). A rank outside
+    `ranks` gets GroupMember.NON_GROUP_MEMBER, as from torch: collectives on it are skipped and
+    get_rank / get_world_size give -1. torch's pg_options and use_local_synchronization=True are
+    refused (a split is collective over the parent); group_desc names the group; device_id, if
+    given, must be the default group's device (a pynccl group runs where the default one does)."""
     world = get_default_group()
-    if backend is not None and backend != world.backend_name:
+    if backend is not None and parse_backend("new_group", backend) != world.backend_name:
         raise ValueError(f"new_group: backend {backend!r} differs from the default group's "
                          f"{world.backend_name!r}; pynccl groups share the default group's backend")
+    if device_id is not None and torch.device(device_id) not in (world.backend.device,
+                                                                 torch.device(world.backend.device.type)):
+        raise ValueError(f"new_group: device_id {device_id} differs from the default group's device "
+                         f"{world.backend.device}; pynccl groups run on the default group's device")
     if pg_options is not None or use_local_synchronization:
         raise NotImplementedError("new_group: pg_options and use_local_synchronization=True are not supported "
                                   "(ncclCommSplit is collective over the default group); to make a group only its "
@@ -319,7 +370,8 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Opti
     ranks = list(range(world.world_size)) if ranks is None else _check_ranks("new_group", ranks, world.world_size)
     timeout_s = _timeout_seconds(timeout) if timeout is not None else world.timeout_s
     name = _next_group_name() + (f"[{group_desc}]" if group_desc else "")
-    return _register(world.backend.split(ranks, timeout_s, name), ranks, name, timeout_s, world.backend_name)
+    group = _register(world.backend.split(ranks, timeout_s, name), ranks, name, timeout_s, world.backend_name)
+    return group if group.is_member else NON_GROUP_MEMBER
 
 
 def duplicate_group(group, desc: str) -> ProcessGroup:
@@ -335,7 +387,10 @@ def duplicate_group(group, desc: str) -> ProcessGroup:
 
 
 def destroy_process_group(group=None) -> None:
-    """Destroy `group` (collective over its members), or every group and the default group."""
+    """Destroy `group` (collective over its members), or every group and the default group.
+    NON_GROUP_MEMBER: nothing to do (as torch)."""
+    if is_non_member(group):
+        return
     if group is None:
         if not _state.initialized:
             return

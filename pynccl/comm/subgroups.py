@@ -11,6 +11,7 @@ import torch.distributed as tdist
 
 from .groups import (ProcessGroup, _check_ranks, _register, _timeout_seconds, get_default_group,
                      new_group, resolve_group)
+from .membership import NON_GROUP_MEMBER
 
 
 def get_global_rank(group, group_rank: int) -> int:
@@ -31,7 +32,8 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
                                  pg_options=None, group_desc: Optional[str] = None
                                  ) -> Tuple[Optional[ProcessGroup], List[ProcessGroup]]:
     """One group per list of global ranks (disjoint); returns (this rank's group or None, all of
-    them). Collective over the default group, as torch's."""
+    them: NON_GROUP_MEMBER for those this rank is not in). Collective over the default group, as
+    torch's."""
     if not ranks_per_subgroup_list:
         raise ValueError("new_subgroups_by_enumeration: ranks_per_subgroup_list must not be empty")
     seen = {}
@@ -45,7 +47,7 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
     for ranks in ranks_per_subgroup_list:
         g = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc)
         subgroups.append(g)
-        if me in g.ranks:
+        if me in ranks:
             mine = g
     return mine, subgroups
 
@@ -70,7 +72,8 @@ def new_subgroups(group_size: Optional[int] = None, group=None, timeout=None, ba
         raise NotImplementedError("new_subgroups: pg_options is not supported; subgroups inherit the parent's "
                                   "communicator configuration")
     subgroups = _split(parent, blocks, timeout, backend, group_desc, "new_subgroups")
-    return next(g for g in subgroups if g.is_member), subgroups
+    # As torch's: the blocks this rank is not in are NON_GROUP_MEMBER in the list.
+    return next(g for g in subgroups if g.is_member), [g if g.is_member else NON_GROUP_MEMBER for g in subgroups]
 
 
 def split_group(parent_pg=None, split_ranks: Optional[Sequence[Sequence[int]]] = None, timeout=None,
