@@ -264,7 +264,8 @@ def _batch(d, rank, ws):
     ops = [d.P2POp(d.isend, _t(rank, 3), nxt), d.P2POp(d.irecv, a, prv),
            d.P2POp(d.isend, _t(rank, 2, torch.int64), group_peer=prv), d.P2POp(d.irecv, b, group_peer=nxt)]
     works = d.batch_isend_irecv(ops)
-    return [works, [w.wait() for w in works], a, b]
+    distinct = len({id(w) for w in works})   # gloo: one Work per op, not one Work n times
+    return [works, distinct, [w.wait() for w in works], a, b]
 
 
 # ----------------------------------------------------------------------------- objects

@@ -138,7 +138,7 @@ def _new_functions(rank, ws):
     for t in expected:
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
     fut = pynccl.all_reduce_coalesced(tensors, op=pynccl.ReduceOp.MAX, async_op=True)
-    assert isinstance(fut, torch.futures.Future) and fut.wait() == tensors   # torch returns a Future too
+    assert isinstance(fut, torch._C.Future) and fut.wait() == tensors   # torch returns a Future too
     assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
     # all_gather_coalesced (deprecated in torch, with a FutureWarning): torch's result
     inputs = [torch.arange(3.0) + rank, torch.full((2, 2), 10.0 * rank)]

@@ -13,11 +13,15 @@ with a TypeError naming it.
 """
 from __future__ import annotations
 
+import sys
 from typing import Tuple
 
 
 def is_torch_style(style) -> bool:
-    return type(style).__module__.startswith("torch.distributed.tensor.parallel")
+    """Whether `style` is a torch ParallelStyle (looked up only if torch's module is loaded: a torch
+    style cannot exist otherwise, so this costs no import)."""
+    module = sys.modules.get("torch.distributed.tensor.parallel.style")
+    return module is not None and isinstance(style, module.ParallelStyle)
 
 
 def from_torch_style(style, where: str) -> Tuple:

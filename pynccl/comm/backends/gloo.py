@@ -439,6 +439,11 @@ class GlooBackend(Backend):
                 tdist.destroy_process_group(self.pg)
             except (ValueError, RuntimeError):
                 pass
+        # NOTE: a future callback of one of this group's ops (GlooWork.get_future, coalesced ops)
+        # may hold this backend until gloo's worker thread drops it. Were this the torch group's
+        # last reference, its destructor would run on that worker thread and join it: std::terminate
+        # ("Resource deadlock avoided"). The caller's thread lets go of it here instead.
+        self.pg = None
 
     def abort(self):
         self.destroy()
