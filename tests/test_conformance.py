@@ -62,6 +62,15 @@ NOTES: Dict[str, str] = {
                              "group's torch twin",
     "send_object_list": "as broadcast_object_list for device=",
     "is_nccl_available": "whether pynccl's NCCL extension is built (torch's: whether torch has NCCL)",
+    "P2POp": "torch's P2POp objects are taken by pynccl.batch_isend_irecv too (op mapped by identity); checked "
+             "through batch_isend_irecv",
+    "batch_isend_irecv": "as torch's per backend: one Work for the batch on nccl, one per op on gloo",
+    "all_to_all": "torch 2.11's gloo lacks it: pynccl's result checked against the closed form there",
+    "all_reduce_coalesced": "a mix of dtypes is taken (one all-reduce per dtype); torch refuses it",
+    "all_gather_into_tensor": "on gloo, the stacked (world_size, n) output is taken too; torch's gloo takes the "
+                              "flat one only",
+    "broadcast": "on NON_GROUP_MEMBER, rooted ops are skipped whatever the root; torch raises when a global root "
+                 "is outside the last group this rank was left out of (its registry's -100 entry)",
     "get_global_rank": "group=None is the default group (torch raises)",
     "get_group_rank": "group=None is the default group (torch raises)",
 }

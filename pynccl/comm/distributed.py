@@ -6,13 +6,13 @@ torch has beyond them (subgroups, object collectives, monitored_barrier, coalesc
 interop). tests/test_conformance.py holds every name here that torch.distributed also has to
 torch's signature and results.
 """
+from .backend_names import is_available, is_gloo_available, is_nccl_available
 from .coalesced_ops import all_gather_coalesced, all_reduce_coalesced
 from .collectives import (all_gather, all_gather_into_tensor, all_reduce, all_to_all, all_to_all_single, barrier,
                           broadcast, gather, reduce, reduce_scatter, reduce_scatter_tensor, scatter)
 from .groups import (ProcessGroup, abort_process_group, destroy_process_group, flight_record, get_backend,
                      get_default_group, get_device, get_process_group_ranks, get_rank, get_store, get_world_size,
-                     init_process_group, is_available, is_gloo_available, is_initialized, is_nccl_available,
-                     new_group, resolve_group)
+                     init_process_group, is_initialized, new_group, resolve_group)
 from .monitored_barrier import monitored_barrier
 from .object_collectives import (all_gather_object, broadcast_object_list, gather_object, recv_object_list,
                                  scatter_object_list, send_object_list)
