@@ -18,7 +18,6 @@ import warnings
 from typing import Dict, List, Tuple
 
 import pytest
-import torch
 import torch.distributed as tdist
 
 import pynccl

@@ -80,21 +80,33 @@ def _skip(op_name: str) -> None:
 
 
 
-def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+def _rooted(fn: str, group, global_root, group_root, what: str, default_root: Optional[int] = None):
+    """(group, group-local root) of a rooted op, the root given as torch takes it (`what`: a global
+    rank; `group_<what>`: a rank of the group; neither: global `default_root` where torch has one),
+    or None where the op is skipped (NON_GROUP_MEMBER, with torch's warning)."""
     if is_non_member(group):
-        return _skip("broadcast")
+        return _skip(fn)
+    if global_root is None and group_root is None:
+        global_root = default_root
     g = resolve_group(group)
-    root = root_rank(g, "broadcast", src, group_src, "src")
+    return g, root_rank(g, fn, global_root, group_root, what)
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    rooted = _rooted("broadcast", group, src, group_src, "src")
+    if rooted is None:
+        return None
+    g, root = rooted
     _check_tensor("broadcast", "tensor", tensor)
     return _ret(g.backend.broadcast(tensor, root, async_op), [tensor])
 
 
 def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
-    if is_non_member(group):
-        return _skip("reduce")
+    rooted = _rooted("reduce", group, dst, group_dst, "dst")
+    if rooted is None:
+        return None
+    g, root = rooted
     op = as_reduce_op(op, "reduce")
-    g = resolve_group(group)
-    root = root_rank(g, "reduce", dst, group_dst, "dst")
     _check_tensor("reduce", "tensor", tensor)
     return _ret(g.backend.reduce(tensor, root, op, async_op), [tensor])
 
@@ -220,22 +232,20 @@ def _rooted_list_args(fn: str, g, tensor, tensor_list, root: int, root_name: str
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
     """dst=None and group_dst=None: global rank 0, as torch."""
-    if is_non_member(group):
-        return _skip("gather")
-    g = resolve_group(group)
-    root = root_rank(g, "gather", 0 if dst is None and group_dst is None else dst, group_dst, "dst")
+    rooted = _rooted("gather", group, dst, group_dst, "dst", default_root=0)
+    if rooted is None:
+        return None
+    g, root = rooted
     gather_list = _rooted_list_args("gather", g, tensor, gather_list, root, "dst", "gather_list")
     return _ret(g.backend.gather(tensor, gather_list, root, async_op), [gather_list or []])
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
     """src=None and group_src=None: global rank 0, as torch."""
-    if src is None and group_src is None:
-        src = 0
-    if is_non_member(group):
-        return _skip("scatter")
-    g = resolve_group(group)
-    root = root_rank(g, "scatter", src, group_src, "src")
+    rooted = _rooted("scatter", group, src, group_src, "src", default_root=0)
+    if rooted is None:
+        return None
+    g, root = rooted
     scatter_list = _rooted_list_args("scatter", g, tensor, scatter_list, root, "src", "scatter_list")
     return _ret(g.backend.scatter(tensor, scatter_list, root, async_op), [tensor])
 

@@ -18,7 +18,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as tdist
 
-from .collectives import _skip, all_gather_into_tensor, broadcast, gather, scatter
+from .collectives import _rooted, _skip, all_gather_into_tensor, broadcast, gather, scatter
 from .groups import resolve_group
 from .membership import is_non_member, non_member_error, root_rank
 from .p2p import recv, send
@@ -82,12 +82,10 @@ def broadcast_object_list(object_list: list, src: Optional[int] = None, group=No
     """The other ranks' `object_list` entries become the source's (global rank `src`, or group
     rank `group_src`; default: global rank 0); every rank passes a list of the same length. The
     source's own list is left as it is, as torch's."""
-    if src is None and group_src is None:
-        src = 0
-    if is_non_member(group):
-        return _skip("broadcast_object_list")
-    g = resolve_group(group)
-    root = root_rank(g, "broadcast_object_list", src, group_src, "src")
+    rooted = _rooted("broadcast_object_list", group, src, group_src, "src", default_root=0)
+    if rooted is None:
+        return None
+    g, root = rooted
     dev = _own_device("broadcast_object_list", g, device)
     if dev is None:
         return tdist.broadcast_object_list(object_list, src=g.ranks[root], group=g.torch_group, device=device)
@@ -118,13 +116,11 @@ def gather_object(obj, object_gather_list: Optional[list] = None, dst: Optional[
     """Rank `dst` (global; or group rank `group_dst`; default: global rank 0) gets every rank's
     `obj`, in group-rank order, in `object_gather_list` (a list of group-size entries there;
     None elsewhere), as torch.distributed.gather_object."""
-    if dst is None and group_dst is None:
-        dst = 0
-    if is_non_member(group):
-        return _skip("gather_object")
-    g = resolve_group(group)
+    rooted = _rooted("gather_object", group, dst, group_dst, "dst", default_root=0)
+    if rooted is None:
+        return None
+    g, root = rooted
     n = g.world_size
-    root = root_rank(g, "gather_object", dst, group_dst, "dst")
     if g.group_rank == root:
         if not isinstance(object_gather_list, list) or len(object_gather_list) != n:
             got = len(object_gather_list) if isinstance(object_gather_list, list) else type(object_gather_list).__name__
@@ -143,13 +139,11 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
     """Rank i of the group gets `scatter_object_input_list[i]` (read on the source only: global
     rank `src`, or group rank `group_src`; default: global rank 0) as
     `scatter_object_output_list[0]`, as torch.distributed.scatter_object_list."""
-    if src is None and group_src is None:
-        src = 0
-    if is_non_member(group):
-        return _skip("scatter_object_list")
-    g = resolve_group(group)
+    rooted = _rooted("scatter_object_list", group, src, group_src, "src", default_root=0)
+    if rooted is None:
+        return None
+    g, root = rooted
     n, dev = g.world_size, g.backend.device
-    root = root_rank(g, "scatter_object_list", src, group_src, "src")
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
         raise ValueError("scatter_object_list: scatter_object_output_list must be a non-empty list")
     header = 8   # each slot: the pickle's byte count as int64, then the pickle
