@@ -136,6 +136,7 @@ def _tp_plan_of_torch(rank, ws):
         pynccl.tensor_parallel.parallelize_module(mlp(0), init_device_mesh("cpu", (ws, 1)), plan)
     with pytest.raises(TypeError, match="is torch's _OwnStyle, which pynccl does not map"):
         pynccl.tensor_parallel.parallelize_module(mlp(0), mesh, {"0": _OwnStyle()})
+    pynccl.barrier()   # rank 0 hosts the store: no rank leaves while another still makes mesh groups on it
     return True
 
 
@@ -186,3 +187,20 @@ def _torch_p2p_and_waits(rank, ws):
                          ids=lambda c: c.__name__.strip("_"))
 def test_torch_objects_on_gloo(case):
     assert run_multiprocess(case, 2, backend="gloo", timeout=300) == [True, True]
+
+
+def _barriers_mixed_under_the_check(rank, ws):
+    # torch lets one rank wait on barrier(async_op=True) while another calls barrier(): the same
+    # collective, so the cross-rank signature check must see the same op.
+    if rank == 0:
+        pynccl.barrier(async_op=True).wait()
+    else:
+        pynccl.barrier()
+    t = torch.ones(1)
+    pynccl.all_reduce(t)
+    return t.item() == ws
+
+
+def test_async_and_blocking_barrier_are_one_collective_under_the_check():
+    assert run_multiprocess(_barriers_mixed_under_the_check, 2, init_kwargs={"check_collectives": True},
+                            timeout=120) == [True, True]

@@ -263,9 +263,7 @@ def barrier(group=None, async_op=False, device_ids=None):
     if not async_op:
         g.backend.barrier()
         return None
-    # NOTE: a one-element all-reduce is the barrier (nccl's C++ barrier is one too), started here
-    # without blocking; _BarrierWork.wait is the host wait.
-    return _BarrierWork(g.backend.all_reduce(torch.zeros(1, device=g.backend.device), ReduceOp.SUM, True))
+    return _BarrierWork(g.backend.barrier_work())
 
 
 def _check_device_ids(g, device_ids) -> None:

@@ -108,6 +108,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def barrier(self): ...
 
+    def barrier_work(self) -> Work:
+        """barrier(async_op=True): the barrier started without a host wait; the Work's synchronize()
+        is the wait. A one-element all-reduce, as the nccl backend's own barrier is."""
+        from ..reduce_op import ReduceOp
+        return self.all_reduce(torch.zeros(1, device=self.device), ReduceOp.SUM, True)
+
     def recv_any_source(self, tensor: torch.Tensor) -> int:
         """Blocking receive from any rank; returns the sender's group rank. NCCL has none."""
         raise ValueError(f"recv: src=None (receive from any rank) is not possible on the {self.name!r} backend: "
