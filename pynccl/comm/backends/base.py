@@ -110,7 +110,8 @@ class Backend(abc.ABC):
 
     def barrier_work(self) -> Work:
         """barrier(async_op=True): the barrier started without a host wait; the Work's synchronize()
-        is the wait. A one-element all-reduce, as the nccl backend's own barrier is."""
+        is the wait. A one-element float32 SUM all-reduce, the very op the nccl backend's barrier()
+        runs (csrc/collectives.cpp), so ranks may mix the two; gloo overrides it with its barrier."""
         from ..reduce_op import ReduceOp
         return self.all_reduce(torch.zeros(1, device=self.device), ReduceOp.SUM, True)
 

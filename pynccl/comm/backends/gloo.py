@@ -394,6 +394,11 @@ class GlooBackend(Backend):
     def barrier(self):
         self._run("barrier", False, lambda: tdist.barrier(group=self.pg, async_op=True))
 
+    def barrier_work(self) -> GlooWork:
+        """barrier(async_op=True): gloo's own barrier (one rank may call barrier() meanwhile: the
+        same gloo op), not started-and-waited: the GlooWork's wait() is the host wait."""
+        return self._run("barrier", True, lambda: tdist.barrier(group=self.pg, async_op=True))
+
     # ------------------------------------------------------------------ bucket kernels
     def pack(self, tensors: List[torch.Tensor], flat: torch.Tensor, scale: float = 1.0):
         offset = 0
