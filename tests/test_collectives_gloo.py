@@ -181,9 +181,13 @@ def every_op_case(rank, ws):
         t = torch.tensor([float(rank)])
         pynccl.broadcast(t, src=src, group=mine)
         assert t.item() == src
+        # As torch: the other group is GroupMember.NON_GROUP_MEMBER here; ops on it are skipped.
         other = odds if mine is evens else evens
-        with pytest.raises(ValueError, match="not a member"):
-            pynccl.all_reduce(torch.ones(1), group=other)
+        assert other is pynccl.GroupMember.NON_GROUP_MEMBER and pynccl.get_rank(other) == -1
+        t = torch.ones(1)
+        with pytest.warns(UserWarning, match="does not belong to the given group"):
+            assert pynccl.all_reduce(t, group=other) is None
+        assert t.item() == 1.0
         pynccl.destroy_process_group(evens)
         pynccl.destroy_process_group(odds)
 

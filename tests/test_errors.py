@@ -21,8 +21,13 @@ def test_any_op_before_init_raises():
 
 
 def test_init_argument_errors(monkeypatch):
-    with pytest.raises(ValueError, match="backend must be 'nccl' or 'gloo'"):
+    with pytest.raises(ValueError, match="backend must be 'nccl', 'gloo', torch's 'cpu:gloo,cuda:nccl' form or None, "
+                                         "got 'mpi'"):
         pynccl.init_process_group(backend="mpi")
+    with pytest.raises(ValueError, match="pynccl runs cpu:gloo and cuda:nccl, not cpu:mpi"):
+        pynccl.init_process_group(backend="cpu:mpi,cuda:nccl")
+    with pytest.raises(TypeError, match="backend must be a str"):
+        pynccl.init_process_group(backend=3)
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match="RANK is not set"):

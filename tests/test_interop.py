@@ -102,8 +102,11 @@ def _new_functions(rank, ws):
     # new_subgroups / by_enumeration: the same ranks as torch's
     mine, subs = pynccl.new_subgroups(group_size=1)
     tmine, tsubs = tdist.new_subgroups(group_size=1)
-    # torch lists NON_GROUP_MEMBER for the blocks a rank is not in; pynccl lists every group
-    assert [g.ranks for g in subs] == [[0], [1], [2]]
+    # as torch's: NON_GROUP_MEMBER for the blocks a rank is not in
+    def ranks_of(groups, get_ranks):
+        return [None if g is pynccl.GroupMember.NON_GROUP_MEMBER else get_ranks(g) for g in groups]
+    assert ranks_of(subs, lambda g: g.ranks) == ranks_of(tsubs, tdist.get_process_group_ranks) == \
+        [[r] if r == rank else None for r in range(ws)]
     assert mine.ranks == tdist.get_process_group_ranks(tmine) == [rank]
     mine, subs = pynccl.new_subgroups_by_enumeration([[0, 2], [1]])
     tmine, _ = tdist.new_subgroups_by_enumeration([[0, 2], [1]])
@@ -137,11 +140,19 @@ def _new_functions(rank, ws):
     expected = [t.clone() for t in tensors]
     for t in expected:
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-    work = pynccl.all_reduce_coalesced(tensors, op=pynccl.ReduceOp.MAX, async_op=True)
-    assert work.get_future().wait() == tensors
+    fut = pynccl.all_reduce_coalesced(tensors, op=pynccl.ReduceOp.MAX, async_op=True)
+    assert isinstance(fut, torch._C.Future) and fut.wait() == tensors   # torch returns a Future too
     assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
-    with pytest.raises(NotImplementedError, match="all_gather_into_tensor"):
-        pynccl.all_gather_coalesced([[torch.empty(1)] * ws], [torch.empty(1)])
+    # all_gather_coalesced (deprecated in torch, with a FutureWarning): torch's result
+    inputs = [torch.arange(3.0) + rank, torch.full((2, 2), 10.0 * rank)]
+    ours = [[torch.empty_like(t) for t in inputs] for _ in range(ws)]
+    theirs = [[torch.empty_like(t) for t in inputs] for _ in range(ws)]
+    with pytest.warns(FutureWarning, match="deprecated"):
+        assert pynccl.all_gather_coalesced(ours, inputs) is None
+    with pytest.warns(FutureWarning):
+        tdist.all_gather_coalesced(theirs, inputs)
+    assert all(torch.equal(a, b) for ra, rb in zip(ours, theirs) for a, b in zip(ra, rb))
+    assert torch.equal(ours[2][1], torch.full((2, 2), 20.0))
     # Work.get_future: value is [tensor], after AVG's division; then() chains; torch's agrees
     t, u = torch.arange(4.0) * (rank + 1), torch.arange(4.0) * (rank + 1)
     fut = pynccl.all_reduce(t, op=pynccl.ReduceOp.AVG, async_op=True).get_future()
@@ -232,8 +243,18 @@ def test_init_process_group_signature_is_torchs():
     assert inspect.signature(pynccl.init_process_group).parameters["check_collectives"].kind == inspect.Parameter.KEYWORD_ONLY
     with pytest.raises(TypeError, match="pg_options must be a pynccl NcclOptions"):
         pynccl.init_process_group("gloo", pg_options=object())
-    with pytest.raises(ValueError, match="a pynccl group has one backend"):
-        pynccl.init_process_group("cpu:gloo,cuda:nccl")
+
+
+def test_backend_names_as_torch_takes_them():
+    """torch's spellings of a backend map to pynccl's one backend per group (a comm-free check)."""
+    from pynccl.comm.backend_names import parse_backend
+    for given, expected in [("nccl", "nccl"), ("NCCL", "nccl"), (tdist.Backend.NCCL, "nccl"), ("gloo", "gloo"),
+                            (tdist.Backend.GLOO, "gloo"), ("cpu:gloo,cuda:nccl", "nccl"), ("cuda:nccl,cpu:gloo", "nccl"),
+                            ("cuda:nccl", "nccl"), ("cpu:gloo", "gloo")]:
+        assert parse_backend("f", given) == expected, given
+    for bad in ("mpi", "cuda:gloo", "cpu:gloo,cpu:gloo", "cpu"):
+        with pytest.raises(ValueError, match="f: backend"):
+            parse_backend("f", bad)
 
 
 # ----------------------------------------------------------------------------- GPU (nccl)
@@ -276,3 +297,83 @@ def test_interop_nccl_multi_gpu():
     ws = min(torch.cuda.device_count(), 4)   # at 3+, torch group [0, 1] gets a members-only communicator
     assert run_multiprocess(_nccl_case, ws, backend="nccl", start_method="spawn", timeout=300) == [True] * ws
 
+
+
+def _torch_code_after_pynccl_init(rank, ws):
+    """After pynccl.init_process_group("nccl"), torch code runs as after torch's own init with
+    "cpu:gloo,cuda:nccl" (issue 29): torch.distributed's collectives on CUDA and CPU tensors,
+    init_device_mesh("cuda") with a DTensor op, and FSDP2's fully_shard training as one process."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert "cuda:nccl" in str(tdist.get_backend_config())
+    t = torch.full((4,), rank + 1.0, device=dev)
+    tdist.all_reduce(t)
+    c = torch.full((2,), rank + 1.0)
+    tdist.all_reduce(c, op=tdist.ReduceOp.MAX)                 # CPU tensors: torch's gloo side
+    total = ws * (ws + 1) / 2
+    assert t.tolist() == [total] * 4 and c.tolist() == [float(ws)] * 2
+    # DTensor on a CUDA mesh: a sum across the shards
+    mesh = init_device_mesh("cuda", (ws,))
+    x = torch.arange(ws * 4 * 3, dtype=torch.float32, device=dev).view(ws * 4, 3)   # the same on every rank
+    dx = distribute_tensor(x, mesh, [Shard(0)])
+    assert dx.to_local().shape == (4, 3)
+    assert torch.equal((dx * 2).sum(dim=0).full_tensor(), (x * 2).sum(dim=0))
+    # FSDP2: each rank's half of the batch; gradients averaged; equals one process on the whole batch
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dev)
+    model = copy.deepcopy(ref)
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        xb = torch.randn(2 * ws, 8, generator=torch.Generator().manual_seed(step)).to(dev)
+        model(xb[2 * rank: 2 * rank + 2]).square().mean().backward()
+        ref(xb).square().mean().backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    # NOTE: fp32 sums of at most 16 products and a 2-term average per step, 3 SGD steps: far below 1e-5
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6)
+    # pynccl's side of the same semantics on NCCL
+    objs = [{"from": rank}] if rank == 0 else [None]
+    pynccl.broadcast_object_list(objs, src=0, device="cpu")       # the other device type: torch's own function
+    assert objs == [{"from": 0}]
+    nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+    a, b = torch.full((3,), rank + 1.0, device=dev), torch.zeros(3, device=dev)
+    works = pynccl.batch_isend_irecv([pynccl.P2POp(pynccl.isend, a, nxt), pynccl.P2POp(pynccl.irecv, b, prv)])
+    theirs = tdist.batch_isend_irecv([tdist.P2POp(tdist.isend, a, nxt), tdist.P2POp(tdist.irecv, b.clone(), prv)])
+    assert len(works) == len(theirs) == 1                        # NCCL coalesces the batch, as torch's
+    works[0].wait()
+    for w in theirs:
+        w.wait()
+    assert b.tolist() == [prv + 1.0] * 3
+    if rank == 1:
+        time.sleep(3.0)
+    z = torch.ones(2, device=dev)
+    w = pynccl.all_reduce(z, async_op=True)
+    if rank == 0:                                                # Work.wait(timedelta): the host waits, bounded
+        start = time.monotonic()
+        with pytest.raises(pynccl.CommTimeoutError, match="did not complete within 0.5 s"):
+            w.wait(datetime.timedelta(seconds=0.5))
+        assert time.monotonic() - start < 2.0
+    assert w.wait(datetime.timedelta(seconds=60)) and z.tolist() == [float(ws)] * 2
+    pynccl.barrier(async_op=True).wait()
+    g = pynccl.new_group([0])
+    if rank != 0:
+        assert g is pynccl.GroupMember.NON_GROUP_MEMBER and pynccl.get_rank(g) == -1
+        with pytest.warns(UserWarning, match="does not belong to the given group"):
+            assert pynccl.all_reduce(z, group=g) is None
+    pynccl.barrier()
+    return True
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_torch_code_after_pynccl_init_multi_gpu():
+    assert run_multiprocess(_torch_code_after_pynccl_init, 2, backend="nccl", start_method="spawn",
+                            timeout=300) == [True, True]

@@ -30,11 +30,11 @@ def _randn(*shape, seed, device, dtype=torch.float32):
 
 
 def _seq_shard(t, group):
-    return t.chunk(group.world_size, dim=0)[group.rank]
+    return t.chunk(group.world_size, dim=0)[group.group_rank]
 
 
 def _last_shard(t, group, num_chunks=1):
-    return tp.shard_tensor(t, t.dim() - 1, group.rank, group.world_size, num_chunks)
+    return tp.shard_tensor(t, t.dim() - 1, group.group_rank, group.world_size, num_chunks)
 
 
 def _close(actual, expected, what, tol):
@@ -70,7 +70,7 @@ def _compare(par, ref, x_full, group, what, tol, in_local=None, out_local=None, 
 def _comm_checks(group, dev, tol):
     """Each communication op's forward and backward against closed forms; rank r's input and
     upstream grad are drawn from seed r."""
-    rank, ws = group.rank, group.world_size
+    rank, ws = group.group_rank, group.world_size
     xs = [_randn(S, B, H, seed=100 + r, device=dev) for r in range(ws)]
     gs = [_randn(S, B, H, seed=200 + r, device=dev) for r in range(ws)]
     gs_small = [g.chunk(ws, 0)[r] for r, g in enumerate(gs)]
@@ -284,7 +284,7 @@ def _gather_all(t, group):
 
 
 def _rng_checks(group, dev):
-    rank, ws = group.rank, group.world_size
+    rank, ws = group.group_rank, group.world_size
     tracker = tp.get_rng_tracker()
     tracker.reset()
     block = tp.ParallelTransformerBlock(H, HEADS, FFN, dropout=0.5, attn_dropout=0.5, group=group, device=dev)
@@ -343,7 +343,7 @@ def _subgroup_checks(dev, tol):
     ranks, pick the shards."""
     mesh = pynccl.ParallelMesh(dp=2, tp=2)
     group = mesh.tp_group
-    assert group.rank == mesh.tp_rank and group.world_size == 2
+    assert group.group_rank == mesh.tp_rank and group.world_size == 2
     torch.manual_seed(2)
     ref = TransformerBlock(H, HEADS, FFN, device=dev)
     x = _randn(S, B, H, seed=3, device=dev)

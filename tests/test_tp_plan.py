@@ -83,7 +83,7 @@ def check_plan(config, plan, group, what, tol=FP32_TOL, device="cpu", dtype=torc
     compare(out.loss, ref_out.loss.detach(), f"{what}: loss", tol)
     full_vocab = out.logits.shape[-1] == VOCAB
     expected_logits = ref_out.logits.detach() if full_vocab else \
-        ref_out.logits.detach().chunk(group.world_size, -1)[group.rank]
+        ref_out.logits.detach().chunk(group.world_size, -1)[group.group_rank]
     compare(out.logits, expected_logits, f"{what}: logits", tol)
     ref_params = dict(ref.named_parameters())
     names = [n for n, _ in par.named_parameters()]
@@ -171,7 +171,7 @@ def _generic_plan_checks(group):
                   "down": tp.RowwiseParallel(input_layouts=tp.Replicate()), "head": tp.ColwiseParallel()}
     x = tokens()
     for what, plan, out_local in (("sequence-parallel", sp_plan, lambda t: t),
-                                  ("plain", plain_plan, lambda t: t.chunk(group.world_size, -1)[group.rank])):
+                                  ("plain", plain_plan, lambda t: t.chunk(group.world_size, -1)[group.group_rank])):
         torch.manual_seed(5)
         ref = _TinyLM()
         par = tp.parallelize_module(copy.deepcopy(ref), group, plan)

@@ -316,7 +316,7 @@ def _subgroups(rank, ws):
     for stage in (1, 3):
         model = pynccl.FullyShardedDataParallel(make_net(), stage=stage, process_group=group, bucket_cap_mb=0.0005)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        train(model, opt, range(STEPS), group.rank, group.world_size)
+        train(model, opt, range(STEPS), group.group_rank, group.world_size)
         assert_close(model.full_state_dict(), expected, f"stage {stage} on group {group.ranks}")
 
 

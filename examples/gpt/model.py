@@ -93,7 +93,7 @@ class Embedding(nn.Module):
             # Each rank adds only its slab of positions: the grad is a partial sum over TP ranks.
             pos, = allreduce_grads_in_backward((pos,), self.tp_group)
             n = x.shape[0]
-            pos = pos[self.tp_group.rank * n: (self.tp_group.rank + 1) * n]   # (s/tp, h)
+            pos = pos[self.tp_group.group_rank * n: (self.tp_group.group_rank + 1) * n]   # (s/tp, h)
         x = x + pos.unsqueeze(1)
         if self.dropout and self.training:
             with get_rng_tracker().fork(device=x.device) if self.sequence_parallel else contextlib.nullcontext():

@@ -55,7 +55,7 @@ def torch_impl(device: torch.device, timeout_s: float) -> Impl:
     """torch.distributed on its own process group over the same ranks: NCCL on CUDA, gloo on CPU.
 
     NOTE: collective — every rank creates it, in the same order relative to other new_group calls.
-    pynccl.init_process_group left a gloo torch.distributed default group on the same store.
+    pynccl.init_process_group left torch.distributed's default group on the same store.
     """
     import datetime
     backend = "nccl" if device.type == "cuda" else "gloo"

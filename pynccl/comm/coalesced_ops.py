@@ -1,18 +1,23 @@
-"""torch's coalesced collectives: all_reduce_coalesced as one flat all-reduce per dtype.
+"""torch's coalesced collectives: all_reduce_coalesced as one flat all-reduce per dtype, and
+all_gather_coalesced (deprecated in torch, still exported by 2.11, so here too) as one flat
+all-gather.
 
-Many small tensors cost one collective per dtype instead of one each: they are copied into a flat
-buffer, reduced, and copied back. all_gather_coalesced is deprecated in torch and not offered.
+Many small tensors cost one collective (per dtype) instead of one each: they are copied into a flat
+buffer, reduced or gathered, and copied back.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import warnings
+from typing import Dict, List
 
 import torch
 
 from .backends.base import Work
+from .collectives import _check_list, _check_same, _check_tensor, _skip
 from .groups import resolve_group
+from .membership import is_non_member
 from .reduce_op import ReduceOp, as_reduce_op
-from .work_future import remember
+from .work_future import outputs_of, remember
 
 
 class CoalescedWork(Work):
@@ -25,11 +30,11 @@ class CoalescedWork(Work):
         self._targets = targets
         self._done = False
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout=None) -> bool:
         if self._done:
             return True
         for w in self._works:
-            w.wait()
+            w.wait(timeout)
         for flat, tensors in zip(self._flats, self._targets):
             for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
                 t.copy_(chunk.view_as(t))
@@ -40,10 +45,22 @@ class CoalescedWork(Work):
         """Whether the reduces have finished; the tensors hold the results after wait()."""
         return self._done or all(w.is_completed() for w in self._works)
 
+    def get_future(self) -> torch.futures.Future:
+        """Completed once the ops are, with the results copied back; value: the caller's tensors.
+        NOTE: the inner futures complete on gloo's thread when the ops end, and at once on nccl
+        (ordered on the GPU: wait() then makes the callback's, the caller's, stream wait)."""
+        def done(_):
+            self.wait()
+            return outputs_of(self)
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(done)
+
 
 def all_reduce_coalesced(tensors: List[torch.Tensor], op=ReduceOp.SUM, group=None, async_op: bool = False):
     """torch.distributed.all_reduce_coalesced: reduce every tensor of `tensors` in place, with one
-    all-reduce per dtype (in order of first appearance, the same on every rank)."""
+    all-reduce per dtype (in order of first appearance, the same on every rank). async_op=True
+    returns a torch.futures.Future (as torch's), whose value is `tensors`."""
+    if is_non_member(group):
+        return _skip("all_reduce_coalesced")
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("all_reduce_coalesced: tensors must be a non-empty list of tensors")
     for i, t in enumerate(tensors):
@@ -63,15 +80,49 @@ def all_reduce_coalesced(tensors: List[torch.Tensor], op=ReduceOp.SUM, group=Non
         works.append(g.backend.all_reduce(flat, op, True))
         flats.append(flat)
         targets.append(group_tensors)
-    work = CoalescedWork(works, flats, targets)
+    return _finish(CoalescedWork(works, flats, targets), async_op, list(tensors))
+
+
+def _finish(work: CoalescedWork, async_op: bool, outputs: List):
+    """None once done, or (async_op) torch's return value for coalesced ops: the Work's future."""
     if not async_op:
         work.wait()
         return None
-    remember(work, list(tensors))
-    return work
+    remember(work, outputs)
+    return work.get_future()
 
 
 def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op: bool = False):
-    raise NotImplementedError("all_gather_coalesced is deprecated in torch and not offered by pynccl: flatten the "
-                              "inputs into one tensor (torch.cat of the reshaped inputs) and call "
-                              "pynccl.all_gather_into_tensor once, or call pynccl.all_gather per tensor")
+    """torch.distributed.all_gather_coalesced (deprecated there, with a FutureWarning; so here):
+    output_tensor_lists[i][j] = rank i's input_tensor_list[j], with one all-gather of the inputs
+    flattened together (one dtype, as torch requires). async_op=True returns a
+    torch.futures.Future (as torch's), whose value is output_tensor_lists."""
+    warnings.warn("all_gather_coalesced is deprecated in torch.distributed (and so in pynccl); use "
+                  "all_gather_into_tensor on the inputs flattened together", FutureWarning, stacklevel=2)
+    if is_non_member(group):
+        return _skip("all_gather_coalesced")
+    fn = "all_gather_coalesced"
+    if not isinstance(input_tensor_list, (list, tuple)) or not input_tensor_list:
+        raise ValueError(f"{fn}: input_tensor_list must be a non-empty list of tensors")
+    for i, t in enumerate(input_tensor_list):
+        _check_tensor(fn, f"input_tensor_list[{i}]", t)
+        _check_same(fn, "input_tensor_list[0]", input_tensor_list[0], f"input_tensor_list[{i}]", t)
+    g = resolve_group(group)
+    _check_list_of_lists(fn, output_tensor_lists, input_tensor_list, g.world_size)
+    flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
+    flat_out = flat_in.new_empty(g.world_size * flat_in.numel())
+    # NOTE: rank i's block of flat_out is its inputs back to back, so flat_out splits, in order,
+    # into output_tensor_lists[0][0], [0][1], ..., [1][0], ...
+    targets = [t for row in output_tensor_lists for t in row]
+    work = CoalescedWork([g.backend.all_gather_into_tensor(flat_out, flat_in, True)], [flat_out], [targets])
+    return _finish(work, async_op, list(output_tensor_lists))
+
+
+def _check_list_of_lists(fn: str, outputs, inputs, n: int) -> None:
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != n:
+        got = len(outputs) if isinstance(outputs, (list, tuple)) else type(outputs).__name__
+        raise ValueError(f"{fn}: output_tensor_lists must be a list of world_size({n}) lists, got {got}")
+    for i, row in enumerate(outputs):
+        _check_list(fn, f"output_tensor_lists[{i}]", row, len(inputs), "len(input_tensor_list)")
+        for j, (out, inp) in enumerate(zip(row, inputs)):
+            _check_same(fn, f"input_tensor_list[{j}]", inp, f"output_tensor_lists[{i}][{j}]", out, inp.numel())

@@ -120,3 +120,7 @@ class CheckedBackend:
     def barrier(self):
         self._verify("barrier", None)
         return self._inner.barrier()
+
+    def barrier_work(self):
+        self._verify("barrier", None)   # the same signature as barrier(): ranks may mix the two, as in torch
+        return self._inner.barrier_work()

@@ -1,19 +1,21 @@
-"""The collectives: torch.distributed's signatures, global ranks for src/dst.
+"""The collectives: torch.distributed 2.11's signatures and semantics (global ranks for src/dst,
+or group_src/group_dst; GroupMember.NON_GROUP_MEMBER skipped as torch skips it: membership.py).
 
 Each function checks what is the same for both backends (sizes, dtypes, rank ranges),
 translates ranks to group ranks and calls the group's Backend. all_reduce is the hot path: it
 does no Python-side checking at all, the backend checks (in C++ for nccl), so a call costs one
-Python frame plus the binding.
+Python frame plus the binding. Point-to-point ops are in p2p.py, object collectives in
+object_collectives.py.
 """
 from __future__ import annotations
 
-import pickle
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
-from .backends.base import P2POp, Work
+from .backends.base import Work, wait_timeout_seconds
 from .groups import _state, resolve_group
+from .membership import is_non_member, root_rank, warn_not_in_group
 from .reduce_op import PremulSum, ReduceOp, as_reduce_op
 from .work_future import remember
 
@@ -24,11 +26,11 @@ def _check_tensor(fn: str, name: str, t):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def _check_list(fn: str, name: str, lst, n: int):
+def _check_list(fn: str, name: str, lst, n: int, expected: str = "world_size"):
     if not isinstance(lst, (list, tuple)):
         raise TypeError(f"{fn}: {name} must be a list of tensors, got {type(lst).__name__}")
     if len(lst) != n:
-        raise ValueError(f"{fn}: {name} has {len(lst)} tensors, expected world_size({n})")
+        raise ValueError(f"{fn}: {name} has {len(lst)} tensors, expected {expected}({n})")
     for i, t in enumerate(lst):
         _check_tensor(fn, f"{name}[{i}]", t)
 
@@ -55,6 +57,8 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     if group is None:
         work = _state.world.backend.all_reduce(tensor, op, async_op)
     else:
+        if is_non_member(group):
+            return _skip("all_reduce")
         work = resolve_group(group).backend.all_reduce(tensor, op, async_op)
     return work if work is None else _async(work, [tensor])
 
@@ -65,21 +69,46 @@ def _async(work, outputs):
     return work
 
 
-def broadcast(tensor, src, group=None, async_op=False):
-    g = resolve_group(group)
-    _check_tensor("broadcast", "tensor", tensor)
-    return _ret(g.backend.broadcast(tensor, g.group_rank(src, "src"), async_op), [tensor])
-
-
-def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
-    op = as_reduce_op(op, "reduce")
-    g = resolve_group(group)
-    _check_tensor("reduce", "tensor", tensor)
-    return _ret(g.backend.reduce(tensor, g.group_rank(dst, "dst"), op, async_op), [tensor])
-
-
 def _ret(work, outputs):
     return work if work is None else _async(work, outputs)
+
+
+def _skip(op_name: str) -> None:
+    """A collective on NON_GROUP_MEMBER: torch's warning, and no op (returns None)."""
+    warn_not_in_group(op_name)
+
+
+
+
+def _rooted(fn: str, group, global_root, group_root, what: str, default_root: Optional[int] = None):
+    """(group, group-local root) of a rooted op, the root given as torch takes it (`what`: a global
+    rank; `group_<what>`: a rank of the group; neither: global `default_root` where torch has one),
+    or None where the op is skipped (NON_GROUP_MEMBER, with torch's warning)."""
+    if is_non_member(group):
+        return _skip(fn)
+    if global_root is None and group_root is None:
+        global_root = default_root
+    g = resolve_group(group)
+    return g, root_rank(g, fn, global_root, group_root, what)
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    rooted = _rooted("broadcast", group, src, group_src, "src")
+    if rooted is None:
+        return None
+    g, root = rooted
+    _check_tensor("broadcast", "tensor", tensor)
+    return _ret(g.backend.broadcast(tensor, root, async_op), [tensor])
+
+
+def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
+    rooted = _rooted("reduce", group, dst, group_dst, "dst")
+    if rooted is None:
+        return None
+    g, root = rooted
+    op = as_reduce_op(op, "reduce")
+    _check_tensor("reduce", "tensor", tensor)
+    return _ret(g.backend.reduce(tensor, root, op, async_op), [tensor])
 
 
 def _check_list_pair(fn: str, name: str, t: torch.Tensor, list_name: str, lst, n: int):
@@ -91,6 +120,8 @@ def _check_list_pair(fn: str, name: str, t: torch.Tensor, list_name: str, lst, n
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
+    if is_non_member(group):
+        return _skip("all_gather")
     g = resolve_group(group)
     _check_list_pair("all_gather", "tensor", tensor, "tensor_list", tensor_list, g.backend.world_size)
     return _ret(g.backend.all_gather(list(tensor_list), tensor, async_op), [list(tensor_list)])
@@ -108,12 +139,16 @@ def _check_flat_pair(fn: str, output: torch.Tensor, input: torch.Tensor, n: int,
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    if is_non_member(group):
+        return _skip("all_gather_into_tensor")
     g = resolve_group(group)
     _check_flat_pair("all_gather_into_tensor", output_tensor, input_tensor, g.backend.world_size, output_is_whole=True)
     return _ret(g.backend.all_gather_into_tensor(output_tensor, input_tensor, async_op), [output_tensor])
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+    if is_non_member(group):
+        return _skip("reduce_scatter")
     op = as_reduce_op(op, "reduce_scatter")
     g = resolve_group(group)
     _check_list_pair("reduce_scatter", "output", output, "input_list", input_list, g.backend.world_size)
@@ -121,6 +156,8 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    if is_non_member(group):
+        return _skip("reduce_scatter_tensor")
     op = as_reduce_op(op, "reduce_scatter_tensor")
     g = resolve_group(group)
     _check_flat_pair("reduce_scatter_tensor", output, input, g.backend.world_size, output_is_whole=False)
@@ -128,6 +165,8 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    if is_non_member(group):
+        return _skip("all_to_all")
     g = resolve_group(group)
     n = g.backend.world_size
     _check_list("all_to_all", "output_tensor_list", output_tensor_list, n)
@@ -157,6 +196,8 @@ def _check_splits(fn: str, name: str, splits, t: torch.Tensor, n: int):
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    if is_non_member(group):
+        return _skip("all_to_all_single")
     g = resolve_group(group)
     n = g.backend.world_size
     fn = "all_to_all_single"
@@ -174,167 +215,79 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     return _ret(g.backend.all_to_all_single(output, input, out_splits, in_splits, async_op), [output])
 
 
-def _rooted_list_args(fn: str, g, tensor, tensor_list, root_rank: int, root_name: str, list_name: str):
-    """Checks shared by gather and scatter: the list lives on the root only. Returns
-    (group-local root, the list or None)."""
+def _rooted_list_args(fn: str, g, tensor, tensor_list, root: int, root_name: str, list_name: str):
+    """Checks shared by gather and scatter: the list lives on the root (a group rank) only.
+    Returns the list, or None off the root."""
     n = g.backend.world_size
-    root = g.group_rank(root_rank, root_name)
     _check_tensor(fn, "tensor", tensor)
-    if g.rank != root:
+    if g.group_rank != root:
         if tensor_list:
-            raise ValueError(f"{fn}: {list_name} must be None or empty on non-{root_name} rank {g.rank}")
-        return root, None
+            raise ValueError(f"{fn}: {list_name} must be None or empty on non-{root_name} rank {g.group_rank}")
+        return None
     _check_list(fn, f"{list_name} (on the {root_name} rank)", tensor_list, n)
     for i, t in enumerate(tensor_list):
         _check_same(fn, "tensor", tensor, f"{list_name}[{i}]", t, tensor.numel())
-    return root, list(tensor_list)
+    return list(tensor_list)
 
 
-def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
-    g = resolve_group(group)
-    root, gather_list = _rooted_list_args("gather", g, tensor, gather_list, dst, "dst", "gather_list")
+def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+    """dst=None and group_dst=None: global rank 0, as torch."""
+    rooted = _rooted("gather", group, dst, group_dst, "dst", default_root=0)
+    if rooted is None:
+        return None
+    g, root = rooted
+    gather_list = _rooted_list_args("gather", g, tensor, gather_list, root, "dst", "gather_list")
     return _ret(g.backend.gather(tensor, gather_list, root, async_op), [gather_list or []])
 
 
-def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
-    g = resolve_group(group)
-    root, scatter_list = _rooted_list_args("scatter", g, tensor, scatter_list, src, "src", "scatter_list")
+def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+    """src=None and group_src=None: global rank 0, as torch."""
+    rooted = _rooted("scatter", group, src, group_src, "src", default_root=0)
+    if rooted is None:
+        return None
+    g, root = rooted
+    scatter_list = _rooted_list_args("scatter", g, tensor, scatter_list, root, "src", "scatter_list")
     return _ret(g.backend.scatter(tensor, scatter_list, root, async_op), [tensor])
 
 
-def send(tensor, dst, group=None, tag=0):
-    g = resolve_group(group)
-    _check_tensor("send", "tensor", tensor)
-    g.backend.send(tensor, g.group_rank(dst, "dst"), False)
-
-
-def recv(tensor, src=None, group=None, tag=0):
-    """Receive into `tensor` from global rank `src`; returns the sender's global rank. src=None
-    receives from whichever rank sends (torch's any-source recv): gloo only, NCCL has none
-    (ValueError naming the alternatives)."""
-    g = resolve_group(group)
-    _check_tensor("recv", "tensor", tensor)
-    if src is None:
-        return g.ranks[g.backend.recv_any_source(tensor)]
-    g.backend.recv(tensor, g.group_rank(src, "src"), False)
-    return src
-
-
-def isend(tensor, dst, group=None, tag=0) -> Work:
-    g = resolve_group(group)
-    _check_tensor("isend", "tensor", tensor)
-    return _async(g.backend.send(tensor, g.group_rank(dst, "dst"), True), [tensor])
-
-
-def irecv(tensor, src=None, group=None, tag=0) -> Work:
-    g = resolve_group(group)
-    _check_tensor("irecv", "tensor", tensor)
-    if src is None:
-        raise NotImplementedError("irecv: src=None (any source) is not supported; use the blocking "
-                                  "recv(tensor, src=None) on gloo (it returns the sender), or pass src=")
-    return _async(g.backend.recv(tensor, g.group_rank(src, "src"), True), [tensor])
-
-
-def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
-    """All sends and receives in one NCCL group; returns one Work per op, as torch's gloo path
-    (torch's NCCL path returns one). They are the same Work, the batch's: NCCL runs the batch as
-    one group, so waiting on any of them waits for the whole batch."""
-    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
-        raise ValueError("batch_isend_irecv: expected a non-empty list of pynccl.P2POp")
-    # NOTE: called per micro-batch by pipelines: the common case is one dict lookup per op;
-    # messages are built only when something is wrong.
-    g = resolve_group(p2p_op_list[0].group if isinstance(p2p_op_list[0], P2POp) else None)
-    rank_of = g._group_rank_of
-    ops = []
-    for p in p2p_op_list:
-        if type(p) is not P2POp or p.group is not p2p_op_list[0].group or type(p.tensor) is not torch.Tensor:
-            _explain_bad_p2p(p2p_op_list)
-        peer = rank_of.get(p.peer)
-        if peer is None or type(p.peer) is not int:
-            g.group_rank(p.peer, "peer")  # raises, naming the group
-        ops.append((p.is_send, p.tensor, peer))
-    work = _async(g.backend.batch_isend_irecv(ops), [t for _, t, _ in ops])
-    return [work] * len(ops)
-
-
-def _explain_bad_p2p(p2p_op_list):
-    first = p2p_op_list[0].group if isinstance(p2p_op_list[0], P2POp) else None
-    for i, p in enumerate(p2p_op_list):
-        if not isinstance(p, P2POp):
-            raise TypeError(f"batch_isend_irecv: element {i} is {type(p).__name__}, expected pynccl.P2POp")
-        if p.group is not first:
-            raise ValueError("batch_isend_irecv: all ops must use the same group")
-        _check_tensor("batch_isend_irecv", f"ops[{i}].tensor", p.tensor)
-
-
 def barrier(group=None, async_op=False, device_ids=None):
-    """Blocks the host until every rank of the group arrives (bounded by the group's timeout).
-    async_op=True is accepted for torch compatibility and returns an already completed Work;
-    device_ids is accepted and ignored (the group's device is known)."""
-    resolve_group(group).backend.barrier()
-    return _COMPLETED if async_op else None
+    """Every rank of the group arrives before any leaves (bounded by the group's timeout).
+    async_op=False blocks the host, as torch's. async_op=True returns at once with a Work whose
+    wait() blocks the host until every rank has arrived (torch's NCCL barrier Work synchronizes
+    too). device_ids, as torch: the barrier's device; a pynccl group has one, so it must be that
+    one (nccl), and is unused on gloo (as torch's gloo)."""
+    if is_non_member(group):
+        return _skip("barrier")
+    g = resolve_group(group)
+    _check_device_ids(g, device_ids)
+    if not async_op:
+        g.backend.barrier()
+        return None
+    return _BarrierWork(g.backend.barrier_work())
 
 
-class _CompletedWork(Work):
+def _check_device_ids(g, device_ids) -> None:
+    if device_ids is None:
+        return
+    if not isinstance(device_ids, (list, tuple)) or not all(isinstance(d, int) for d in device_ids):
+        raise TypeError(f"barrier: device_ids must be a list of ints (CUDA device indices), got {device_ids!r}")
+    dev = g.backend.device
+    if dev.type == "cuda" and device_ids and device_ids[0] != dev.index:
+        raise ValueError(f"barrier: device_ids={list(device_ids)}, but group '{g.name}' runs on {dev}; pass "
+                         f"[{dev.index}] or None")
+
+
+class _BarrierWork(Work):
+    """barrier(async_op=True)'s Work: wait() blocks the host until every rank arrived."""
+
+    def __init__(self, work):
+        self._work = work
+
     def wait(self, timeout=None) -> bool:
-        return True
+        return self._work.synchronize(wait_timeout_seconds(timeout))
 
     def is_completed(self) -> bool:
-        return True
+        return self._work.is_completed()
 
     def synchronize(self, timeout_s=None) -> bool:
-        return True
-
-
-_COMPLETED = _CompletedWork()
-
-
-# ----------------------------------------------------------------------------- objects
-def _object_to_tensor(obj, device) -> torch.Tensor:
-    data = pickle.dumps(obj)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-
-
-def padded_object_payload(obj, g):
-    """(obj pickled into a uint8 tensor padded to the largest payload of group `g`, every rank's
-    payload size): the all-gather of sizes that object collectives start with. Collective."""
-    dev = g.backend.device
-    payload = _object_to_tensor(obj, dev)
-    sizes = torch.zeros(g.world_size, dtype=torch.int64, device=dev)
-    all_gather_into_tensor(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=dev), group=g)
-    padded = torch.zeros(int(sizes.max().item()), dtype=torch.uint8, device=dev)
-    padded[: payload.numel()] = payload
-    return padded, sizes
-
-
-def all_gather_object(object_list: list, obj, group=None) -> None:
-    """Pickle-based all-gather of Python objects (for metadata, not for hot paths)."""
-    g = resolve_group(group)
-    n = g.world_size
-    if not isinstance(object_list, list):
-        raise TypeError(f"all_gather_object: object_list must be a list, got {type(object_list).__name__}")
-    if len(object_list) != n:
-        raise ValueError(f"all_gather_object: object_list has {len(object_list)} entries, expected world_size({n})")
-    dev = g.backend.device
-    padded, sizes = padded_object_payload(obj, g)
-    max_size = padded.numel()
-    out = torch.empty(n * max_size, dtype=torch.uint8, device=dev)
-    all_gather_into_tensor(out, padded, group=g)
-    out = out.cpu()
-    for i in range(n):
-        object_list[i] = pickle.loads(out[i * max_size: i * max_size + int(sizes[i])].numpy().tobytes())
-
-
-def broadcast_object_list(object_list: list, src: int = 0, group=None) -> None:
-    """Replace `object_list`'s entries on every rank with those of global rank `src`."""
-    g = resolve_group(group)
-    dev = g.backend.device
-    root = g.group_rank(src, "src")
-    payload = _object_to_tensor(list(object_list), dev) if g.rank == root else None
-    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=dev)
-    broadcast(size, src, group=g)
-    if payload is None:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-    broadcast(payload, src, group=g)
-    objs = pickle.loads(payload.cpu().numpy().tobytes())
-    object_list[:] = objs
+        return self._work.synchronize(timeout_s)

@@ -12,6 +12,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import rendezvous
+from .backend_names import parse_backend
+from .membership import NON_GROUP_MEMBER, is_non_member
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -28,11 +30,24 @@ class _Unusable:
         raise self._error
 
 
+class GroupRank(int):
+    """This process's rank in a group, as an int that may also be called: `g.rank()` is torch's
+    ProcessGroup.rank(); `g.rank` used as an int is pynccl 0.1's attribute, so code written
+    either way gets the same number (a plain method would make the old `g.rank == 0` silently
+    False). New code reads `g.rank()` or `g.group_rank`."""
+
+    __slots__ = ()
+
+    def __call__(self) -> int:
+        return int(self)
+
+
 class ProcessGroup:
     """A set of global ranks and the Backend that talks to them.
 
-    `rank` / `world_size` are this process's position in the group (like
-    torch.distributed.get_rank(group)); `ranks` are the global ranks, in group order.
+    As torch's ProcessGroup: `rank()` / `size()` are this process's position in the group and
+    the group's size (torch.distributed.get_rank(group) / get_world_size(group)). The same as
+    plain ints: `group_rank` and `world_size`. `ranks` are the global ranks, in group order.
     """
 
     def __init__(self, backend, ranks: Sequence[int], name: str, timeout_s: float, backend_name: str):
@@ -42,9 +57,18 @@ class ProcessGroup:
         self.timeout_s = timeout_s
         self.backend_name = backend_name
         self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
-        self.rank = -1 if isinstance(backend, _Unusable) else backend.rank
+        self.group_rank = -1 if isinstance(backend, _Unusable) else backend.rank
         self.world_size = len(self.ranks)
         self._torch_group = None   # the torch ProcessGroup of the same ranks (torch_interop.py)
+
+    @property
+    def rank(self) -> GroupRank:
+        """torch's `g.rank()`; see GroupRank."""
+        return GroupRank(self.group_rank)
+
+    def size(self) -> int:
+        """torch's ProcessGroup.size(): the number of ranks in the group."""
+        return self.world_size
 
     @property
     def torch_group(self):
@@ -55,12 +79,9 @@ class ProcessGroup:
 
     @property
     def is_member(self) -> bool:
-        return self.rank >= 0
+        return self.group_rank >= 0
 
-    def size(self) -> int:
-        return self.world_size
-
-    def group_rank(self, global_rank: int, what: str = "rank") -> int:
+    def to_group_rank(self, global_rank: int, what: str = "rank") -> int:
         """Group rank of `global_rank`; ValueError naming the group if it is not in it."""
         if not isinstance(global_rank, int) or isinstance(global_rank, bool):
             raise TypeError(f"{what} must be an int (a global rank), got {type(global_rank).__name__}")
@@ -71,7 +92,8 @@ class ProcessGroup:
         return idx
 
     def __repr__(self):
-        return f"ProcessGroup(name={self.name!r}, backend={self.backend_name!r}, ranks={self.ranks}, rank={self.rank})"
+        return (f"ProcessGroup(name={self.name!r}, backend={self.backend_name!r}, ranks={self.ranks}, "
+                f"rank={self.group_rank})")
 
 
 class _State:
@@ -110,12 +132,6 @@ def _timeout_seconds(timeout) -> float:
     return float(timeout)
 
 
-def _default_backend() -> str:
-    """torch's backend=None: the device's backend. "nccl" needs CUDA and the built extension."""
-    from .. import _ext
-    return "nccl" if torch.cuda.is_available() and _ext._C is not None else "gloo"
-
-
 def _make_backend(backend: str, rank: int, world_size: int, timeout_s: float, device_id, store, prefix: str,
                   name: str, options):
     if backend == "gloo":
@@ -134,23 +150,24 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     in its positional order; check_collectives is pynccl's own (keyword only).
 
     backend: "nccl" (CUDA tensors, pynccl's communicator) or "gloo" (CPU tensors, torch's gloo);
-    None picks "nccl" where CUDA and the extension are present, else "gloo".
+    None picks "nccl" where CUDA and the extension are present, else "gloo"; torch's spellings
+    are taken too (parse_backend: Backend.NCCL, "NCCL", "cpu:gloo,cuda:nccl").
     timeout: seconds or a datetime.timedelta (default 600 s).
     Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
     unless rank/world_size/store are given. If torch.distributed is already initialised,
     its rank, world size and store are reused, so scripts that set it up keep working.
-    A gloo torch.distributed default group is always present afterwards (it carries the
-    CPU-side helpers such as DistributedSampler and object collectives).
+    Otherwise torch.distributed's default group is made on the same store, as torch's
+    init_process_group(backend) would make it: "cpu:gloo,cuda:nccl" for "nccl" (torch code that
+    follows, init_device_mesh("cuda", ...), DTensor, fully_shard, torch.distributed.all_reduce
+    on CUDA or CPU tensors, just works; torch's NCCL communicator is made lazily, at torch's first
+    CUDA collective, so init costs what it did) and "gloo" for "gloo". pynccl's own functions
+    take the group's device only: CUDA tensors on "nccl", CPU tensors on "gloo".
     group_name: the default group's name in errors and flight records ("" -> "world").
     pg_options: for "nccl", a pynccl NcclOptions (or a dict of its fields); None for "gloo".
     check_collectives (default: PYNCCL_CHECK_COLLECTIVES=1): compare every collective's
     signature across ranks through the store first (see collective_check.py).
     """
-    backend = _default_backend() if backend is None else str(backend)
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"init_process_group: backend must be 'nccl' or 'gloo' (or None), got {backend!r}; a pynccl "
-                         f"group has one backend (for torch's 'cpu:gloo,cuda:nccl' pass 'nccl': CPU-side helpers "
-                         f"run on the gloo torch.distributed group pynccl sets up)")
+    backend = parse_backend("init_process_group", backend)
     if pg_options is not None:
         from .backends.nccl import NcclOptions
         if backend != "nccl" or not isinstance(pg_options, (NcclOptions, dict)):
@@ -163,7 +180,8 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     if backend == "nccl":
         from .._ext import require_extension
         require_extension("backend='nccl'")
-    rank, world_size, store, owns = rendezvous.bootstrap(init_method, rank, world_size, timeout_s, store)
+    rank, world_size, store, owns = rendezvous.bootstrap(init_method, rank, world_size, timeout_s, store,
+                                                      torch_backend=rendezvous.torch_backend_for(backend))
     prefix = f"pynccl/{rendezvous.next_generation()}"
     name = group_name or "world"
     be = _make_backend(backend, rank, world_size, timeout_s, device_id, store, prefix, name, pg_options)
@@ -198,12 +216,17 @@ def is_initialized() -> bool:
 def resolve_group(group) -> ProcessGroup:
     """The ProcessGroup `group` stands for: the default group for None; for a torch.distributed
     ProcessGroup, the pynccl group of the same global ranks (made on first use, then cached:
-    torch_interop.py). TypeError for anything else. The one place every API that takes
-    `group=` / `process_group=` normalises it (collectives, DDP, FSDP, TP, PipelineStage)."""
+    torch_interop.py); for a 1-D torch DeviceMesh, its group. ValueError for
+    GroupMember.NON_GROUP_MEMBER (the functions of pynccl.comm.distributed skip it first, as
+    torch's do); TypeError for anything else. The one place every API that takes `group=` /
+    `process_group=` normalises it (collectives, DDP, FSDP, TP, PipelineStage)."""
     if group is None:
         return _state.world
     if type(group) is ProcessGroup:
         return group
+    if is_non_member(group):
+        raise ValueError("group is GroupMember.NON_GROUP_MEMBER: this rank is not in that group (new_group / "
+                         "split_group return it on ranks outside the group); call this only on its members")
     from .torch_interop import from_torch_group
     return from_torch_group(group)
 
@@ -226,11 +249,17 @@ def get_store():
 
 
 def get_rank(group=None) -> int:
+    """This process's rank in `group` (default: the default group); -1 for NON_GROUP_MEMBER."""
+    if is_non_member(group):
+        return -1
     g = resolve_group(group)
-    return _require_usable(g).rank if g is _state.world else g.rank
+    return _require_usable(g).group_rank if g is _state.world else g.group_rank
 
 
 def get_world_size(group=None) -> int:
+    """The number of ranks of `group` (default: the default group); -1 for NON_GROUP_MEMBER."""
+    if is_non_member(group):
+        return -1
     g = resolve_group(group)
     return _require_usable(g).world_size if g is _state.world else g.world_size
 
@@ -244,7 +273,8 @@ def get_device(group=None) -> torch.device:
     return resolve_group(group).backend.device
 
 
-def get_process_group_ranks(group=None) -> List[int]:
+def get_process_group_ranks(group) -> List[int]:
+    """The global ranks of `group` (None: the default group), in group order."""
     return list(resolve_group(group).ranks)
 
 
@@ -270,7 +300,7 @@ def _next_group_name() -> str:
 def _register(sub, ranks: List[int], name: str, timeout_s: float, backend_name: str) -> ProcessGroup:
     """The ProcessGroup around a split's result (`sub` None on a rank outside `ranks`)."""
     if sub is None:
-        sub = _Unusable(ValueError(f"rank {_state.world.rank} is not a member of group '{name}' "
+        sub = _Unusable(ValueError(f"rank {_state.world.group_rank} is not a member of group '{name}' "
                                    f"(global ranks {ranks})"))
     else:
         sub = _maybe_checked(sub, name)
@@ -280,17 +310,22 @@ def _register(sub, ranks: List[int], name: str, timeout_s: float, backend_name: 
 
 
 def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Optional[str] = None,
-              pg_options=None, use_local_synchronization: bool = False, group_desc: Optional[str] = None
-              ) -> ProcessGroup:
+              pg_options=None, use_local_synchronization: bool = False, group_desc: Optional[str] = None,
+              device_id=None):
     """A group over the given global ranks. Collective over the default group: every rank
-    calls it with the same `ranks`, members and non-members alike (as in torch). On a rank
-    outside `ranks`, the returned group raises on use. torch's pg_options and
-    use_local_synchronization=True are refused (a split is collective over the parent);
-    group_desc names the group."""
+    calls it with the same `ranks`, members and non-members alike (as in torch). A rank outside
+    `ranks` gets GroupMember.NON_GROUP_MEMBER, as from torch: collectives on it are skipped and
+    get_rank / get_world_size give -1. torch's pg_options and use_local_synchronization=True are
+    refused (a split is collective over the parent); group_desc names the group; device_id, if
+    given, must be the default group's device (a pynccl group runs where the default one does)."""
     world = get_default_group()
-    if backend is not None and backend != world.backend_name:
+    if backend is not None and parse_backend("new_group", backend) != world.backend_name:
         raise ValueError(f"new_group: backend {backend!r} differs from the default group's "
                          f"{world.backend_name!r}; pynccl groups share the default group's backend")
+    if device_id is not None and torch.device(device_id) not in (world.backend.device,
+                                                                 torch.device(world.backend.device.type)):
+        raise ValueError(f"new_group: device_id {device_id} differs from the default group's device "
+                         f"{world.backend.device}; pynccl groups run on the default group's device")
     if pg_options is not None or use_local_synchronization:
         raise NotImplementedError("new_group: pg_options and use_local_synchronization=True are not supported "
                                   "(ncclCommSplit is collective over the default group); to make a group only its "
@@ -299,7 +334,8 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Opti
     ranks = list(range(world.world_size)) if ranks is None else _check_ranks("new_group", ranks, world.world_size)
     timeout_s = _timeout_seconds(timeout) if timeout is not None else world.timeout_s
     name = _next_group_name() + (f"[{group_desc}]" if group_desc else "")
-    return _register(world.backend.split(ranks, timeout_s, name), ranks, name, timeout_s, world.backend_name)
+    group = _register(world.backend.split(ranks, timeout_s, name), ranks, name, timeout_s, world.backend_name)
+    return group if group.is_member else NON_GROUP_MEMBER
 
 
 def duplicate_group(group, desc: str) -> ProcessGroup:
@@ -315,7 +351,10 @@ def duplicate_group(group, desc: str) -> ProcessGroup:
 
 
 def destroy_process_group(group=None) -> None:
-    """Destroy `group` (collective over its members), or every group and the default group."""
+    """Destroy `group` (collective over its members), or every group and the default group.
+    NON_GROUP_MEMBER: nothing to do (as torch)."""
+    if is_non_member(group):
+        return
     if group is None:
         if not _state.initialized:
             return
@@ -366,24 +405,3 @@ def abort_process_group(group=None) -> None:
             be.abort()
     if group is None and _state.initialized:
         _state.reset()
-
-
-
-
-# ----------------------------------------------------------------------------- availability
-def is_available() -> bool:
-    """torch's is_available: whether the distributed package works here (torch.distributed, under
-    every pynccl group, is built)."""
-    import torch.distributed as tdist
-    return tdist.is_available()
-
-
-def is_nccl_available() -> bool:
-    """Whether backend='nccl' can run: pynccl's extension is built and loaded."""
-    from .. import _ext
-    return _ext._C is not None
-
-
-def is_gloo_available() -> bool:
-    import torch.distributed as tdist
-    return tdist.is_available() and tdist.is_gloo_available()

@@ -12,19 +12,22 @@ import time
 
 from ..errors import CommTimeoutError
 from .groups import _require_usable, _state, _timeout_seconds, resolve_group
+from .membership import is_non_member, warn_not_in_group
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
     """Blocks until every rank of `group` calls it, at most `timeout` (seconds or a timedelta;
     default: the group's). Raises CommTimeoutError naming the first rank that did not arrive
     (every missing rank with wait_all_ranks=True). Host-side only: it orders no device work."""
+    if is_non_member(group):
+        return warn_not_in_group("monitored_barrier")
     g = _require_usable(resolve_group(group))
     timeout_s = _timeout_seconds(timeout) if timeout is not None else g.timeout_s
     g._monitored_calls = seq = getattr(g, "_monitored_calls", 0) + 1
     store = _state.store
     key = f"{_state.key_prefix}/monitored_barrier/{g.name}/{seq}"
-    store.set(f"{key}/rank{g.rank}", "1")
-    if g.rank == 0:
+    store.set(f"{key}/rank{g.group_rank}", "1")
+    if g.group_rank == 0:
         arrived = [f"{key}/rank{r}" for r in range(g.world_size)]
         deadline = time.monotonic() + timeout_s
         missing = []

@@ -1,8 +1,10 @@
 """Rendezvous: who am I, where is the store, and the NCCL unique-id exchange.
 
 The store is torch's TCPStore (rank 0 hosts it on MASTER_ADDR:MASTER_PORT, or torchrun's
-agent does). A gloo torch.distributed default group is set up on it so that CPU-side
-helpers (DistributedSampler, object collectives) work in a script that only called pynccl.
+agent does). torch.distributed's default group is set up on it, as torch's own
+init_process_group would make it for the same backend ("cpu:gloo,cuda:nccl" for nccl, "gloo"
+for gloo), so that torch code in a script that only called pynccl (DistributedSampler,
+init_device_mesh, DTensor, fully_shard, torch.distributed's collectives) works.
 """
 from __future__ import annotations
 
@@ -49,7 +51,17 @@ def _parse_init_method(init_method: Optional[str]) -> Tuple[Optional[str], Optio
     raise ValueError(f"init_process_group: init_method must be 'env://' or 'tcp://host:port', got {init_method!r}")
 
 
-def bootstrap(init_method, rank: int, world_size: int, timeout_s: float, store) -> Tuple[int, int, object, bool]:
+def torch_backend_for(backend: str) -> str:
+    """torch.distributed's default-group backend beside a pynccl default group of `backend`.
+    NOTE: torch's ProcessGroupNCCL made without device_id creates its communicator at its first
+    CUDA collective, so a script that never uses torch's collectives pays nothing for it."""
+    if backend == "nccl" and tdist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def bootstrap(init_method, rank: int, world_size: int, timeout_s: float, store,
+              torch_backend: str = "gloo") -> Tuple[int, int, object, bool]:
     """Returns (rank, world_size, store, owns_torch_dist)."""
     if tdist.is_available() and tdist.is_initialized():
         # Reuse the script's torch.distributed setup.
@@ -87,10 +99,10 @@ def bootstrap(init_method, rank: int, world_size: int, timeout_s: float, store) 
 
     _check_unique_rank(store, rank, world_size, timeout_s)
     try:
-        tdist.init_process_group("gloo", store=tdist.PrefixStore("torch", store), rank=rank,
+        tdist.init_process_group(torch_backend, store=tdist.PrefixStore("torch", store), rank=rank,
                                  world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        raise CommTimeoutError(f"init_process_group: rank {rank}: the CPU side-channel group of {world_size} "
+        raise CommTimeoutError(f"init_process_group: rank {rank}: torch.distributed's default group of {world_size} "
                                f"ranks did not form within {timeout_s:.0f}s: {e}") from e
     return rank, world_size, store, True
 

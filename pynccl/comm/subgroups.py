@@ -11,6 +11,7 @@ import torch.distributed as tdist
 from .nodes import NodeLayout, node_ids
 from .groups import (ProcessGroup, _check_ranks, _register, _timeout_seconds, get_default_group,
                      new_group, resolve_group)
+from .membership import NON_GROUP_MEMBER
 
 
 def get_global_rank(group, group_rank: int) -> int:
@@ -24,14 +25,15 @@ def get_global_rank(group, group_rank: int) -> int:
 
 def get_group_rank(group, global_rank: int) -> int:
     """`global_rank`'s rank in `group` (torch: ValueError if it is not in the group)."""
-    return resolve_group(group).group_rank(global_rank, "global_rank")
+    return resolve_group(group).to_group_rank(global_rank, "global_rank")
 
 
 def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]], timeout=None, backend=None,
                                  pg_options=None, group_desc: Optional[str] = None
                                  ) -> Tuple[Optional[ProcessGroup], List[ProcessGroup]]:
     """One group per list of global ranks (disjoint); returns (this rank's group or None, all of
-    them). Collective over the default group, as torch's."""
+    them: NON_GROUP_MEMBER for those this rank is not in). Collective over the default group, as
+    torch's."""
     if not ranks_per_subgroup_list:
         raise ValueError("new_subgroups_by_enumeration: ranks_per_subgroup_list must not be empty")
     seen = {}
@@ -40,12 +42,12 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
             if r in seen:
                 raise ValueError(f"new_subgroups_by_enumeration: rank {r} is in more than one subgroup")
             seen[r] = True
-    me = get_default_group().rank
+    me = get_default_group().group_rank
     mine, subgroups = None, []
     for ranks in ranks_per_subgroup_list:
         g = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc)
         subgroups.append(g)
-        if me in g.ranks:
+        if me in ranks:
             mine = g
     return mine, subgroups
 
@@ -74,7 +76,8 @@ def new_subgroups(group_size: Optional[int] = None, group=None, timeout=None, ba
                              f"{parent.world_size}")
         blocks = [parent.ranks[i: i + group_size] for i in range(0, parent.world_size, group_size)]
     subgroups = _split(parent, blocks, timeout, backend, group_desc, "new_subgroups")
-    return next(g for g in subgroups if g.is_member), subgroups
+    # As torch's: the blocks this rank is not in are NON_GROUP_MEMBER in the list.
+    return next(g for g in subgroups if g.is_member), [g if g.is_member else NON_GROUP_MEMBER for g in subgroups]
 
 
 def split_group(parent_pg=None, split_ranks: Optional[Sequence[Sequence[int]]] = None, timeout=None,
@@ -100,7 +103,7 @@ def _split(parent: ProcessGroup, split_ranks, timeout, backend, group_desc, fn: 
     if backend is not None and str(backend) != parent.backend_name:
         raise ValueError(f"{fn}: backend {backend!r} differs from the parent's {parent.backend_name!r}")
     if not parent.is_member:
-        raise ValueError(f"{fn}: global rank {world.rank} is not part of the parent group '{parent.name}'")
+        raise ValueError(f"{fn}: global rank {world.group_rank} is not part of the parent group '{parent.name}'")
     if parent.backend_name == "gloo" and parent.world_size != world.world_size:
         # NOTE: a gloo split is torch.distributed.new_group, collective over the whole default group.
         raise NotImplementedError(f"{fn}: on gloo the parent must span the default group; use "
@@ -123,7 +126,7 @@ def _split(parent: ProcessGroup, split_ranks, timeout, backend, group_desc, fn: 
         # the parent's ranks are here).
         parent._num_splits = getattr(parent, "_num_splits", 0) + 1
         name = f"{parent.name}.split{parent._num_splits}" + (f"[{group_desc}]" if group_desc else "")
-        local = [parent.group_rank(r) for r in ranks]
+        local = [parent.to_group_rank(r) for r in ranks]
         out.append(_register(parent.backend.split(local, timeout_s, name), ranks, name, timeout_s,
                              parent.backend_name))
     return out

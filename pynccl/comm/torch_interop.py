@@ -1,7 +1,8 @@
 """Groups across the torch.distributed boundary, both ways.
 
-torch -> pynccl: a torch ProcessGroup (torch.distributed.new_group, init_device_mesh(...).get_group())
-is accepted wherever pynccl takes a group, through groups.resolve_group. It is mapped to a pynccl
+torch -> pynccl: a torch ProcessGroup (torch.distributed.new_group, init_device_mesh(...).get_group()),
+or a 1-D DeviceMesh (its group), is accepted wherever pynccl takes a group, through
+groups.resolve_group. It is mapped to a pynccl
 group of the same global ranks in the same order, made once and cached weakly per torch group.
 Torch hands a group object only to its members (the others get GroupMember.NON_GROUP_MEMBER), so
 the pynccl group is made by the members alone, never by a split of the default communicator:
@@ -35,11 +36,25 @@ def _torch_backend_name(pg) -> str:
         return ""
 
 
+def _is_device_mesh(obj) -> bool:
+    # NOTE: by the class torch defines, looked up only if torch's device_mesh module is loaded (a
+    # DeviceMesh cannot exist otherwise), so this costs no import.
+    import sys
+    module = sys.modules.get("torch.distributed.device_mesh")
+    return module is not None and isinstance(obj, module.DeviceMesh)
+
+
 def from_torch_group(pg) -> ProcessGroup:
-    """The pynccl group of torch group `pg` (TypeError for anything but a torch ProcessGroup)."""
+    """The pynccl group of torch group `pg`, or of a 1-D torch DeviceMesh's group (TypeError for
+    anything else)."""
+    if _is_device_mesh(pg):
+        if pg.ndim != 1:
+            raise ValueError(f"group: a {pg.ndim}-D DeviceMesh {tuple(pg.mesh_dim_names or ())} stands for no one "
+                             f"group; pass one dimension (mesh['tp'] or mesh.get_group('tp'))")
+        pg = pg.get_group()
     if not isinstance(pg, tdist.ProcessGroup):
         raise TypeError(f"group must be a pynccl ProcessGroup (pynccl.new_group), a torch.distributed "
-                        f"ProcessGroup, or None; got {type(pg).__name__}")
+                        f"ProcessGroup, a 1-D torch DeviceMesh, or None; got {type(pg).__name__}")
     cached = _state.torch_groups.get(pg)
     if cached is not None:
         return cached
@@ -57,7 +72,7 @@ def from_torch_group(pg) -> ProcessGroup:
 
 
 def _members_only_group(pg, ranks, world: ProcessGroup) -> ProcessGroup:
-    group_rank = ranks.index(world.rank)
+    group_rank = ranks.index(world.group_rank)
     # NOTE: torch gives a group the same name on all its members; the use count keeps the store key
     # fresh if a group of that name is mapped again (a new torch group after destroy, a new init).
     uses = _state.torch_group_uses.get(pg.group_name, 0) + 1

@@ -1,4 +1,11 @@
-"""Work.get_future(): a torch.futures.Future for an async op, with torch's semantics per backend.
+"""torch's Work API on pynccl's C++ Work: get_future() and wait(timeout), with torch's semantics.
+
+Work.wait(timeout): as torch's ProcessGroupNCCL Work, no timeout (None, or torch's default
+timedelta(0)) makes the current stream wait for the op; a timeout (a timedelta, or seconds) also
+blocks the host until the op completes, at most that long, then raises CommTimeoutError (the op
+is left running: its communicator is not aborted, as torch's wait does not abort either).
+
+Work.get_future(): a torch.futures.Future for an async op, with torch's semantics per backend.
 
 The functions of pynccl.comm.distributed remember each async op's output tensors here (weakly, by
 Work), so the future's value is that list, as torch's (all_reduce: [tensor]).
@@ -12,10 +19,14 @@ Work), so the future's value is that list, as torch's (all_reduce: [tensor]).
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Dict, List
 
 import torch
+
+from ..errors import CommTimeoutError
+from .backends.base import wait_timeout_seconds
 
 _outputs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _side_streams: Dict[int, "torch.cuda.Stream"] = {}
@@ -63,8 +74,35 @@ def _flatten(value):
             yield v
 
 
+def _timed_wait(cpp_wait):
+    """Work.wait with torch's `timeout` around the C++ wait (which orders the current stream)."""
+    def wait(work, timeout=None) -> bool:
+        if timeout is not None:
+            seconds = wait_timeout_seconds(timeout)
+            if seconds is not None:
+                _host_wait(work, seconds)
+        return cpp_wait(work)
+    wait.__doc__ = (f"{cpp_wait.__doc__ or ''} With a timeout (a timedelta, as torch's, or seconds): the host "
+                    f"first waits for the op, at most that long, and CommTimeoutError is raised past it.")
+    return wait
+
+
+def _host_wait(work, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    pause = 1e-5
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise CommTimeoutError(f"Work.wait: {work.op} (seq {work.seq}) did not complete within {seconds:g} s "
+                                   f"(the op is still running; its communicator is left as it is)")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
 def install() -> None:
-    """Give pynccl._C.Work torch's get_future() (the C++ class is not ours to extend in csrc)."""
+    """Give pynccl._C.Work torch's get_future() and wait(timeout) (the C++ class is not ours to
+    extend in csrc)."""
     from .. import _ext
-    if _ext._C is not None and not hasattr(_ext._C.Work, "get_future"):
-        _ext._C.Work.get_future = cuda_work_future
+    if _ext._C is None or hasattr(_ext._C.Work, "get_future"):
+        return
+    _ext._C.Work.get_future = cuda_work_future
+    _ext._C.Work.wait = _timed_wait(_ext._C.Work.wait)

@@ -14,7 +14,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..comm import distributed as dist
-from ..comm.backends.base import P2POp, Work
+from ..comm.backends.base import Work
+from ..comm.p2p import P2POp, batch_work
 
 # dtype <-> code in the metadata message; append only (codes are part of the wire format).
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -75,7 +76,7 @@ class PipeTransport:
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
         self.group = group
         self.device = device
-        self.pp_rank = group.rank
+        self.pp_rank = group.group_rank
         self.pp_size = group.world_size
         # NOTE: never written after creation, so every step can send the same "unchanged" header.
         self._unchanged = torch.zeros(1, dtype=torch.int64, device=device)
@@ -109,7 +110,7 @@ class PipeTransport:
         ops += [P2POp(dist.irecv, t, self.group.ranks[peer], self.group) for t, peer in recvs if t.numel()]
         if not ops:
             return None
-        return dist.batch_isend_irecv(ops)[0]
+        return batch_work(ops)   # one Work for the batch on either backend (gloo's public batch: one per op)
 
     # --- shape metadata --------------------------------------------------------------
     def meta_messages(self, metas: List[TensorMeta], last_sent: Optional[List[TensorMeta]]) -> List[torch.Tensor]:

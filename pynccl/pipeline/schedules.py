@@ -53,7 +53,7 @@ class _PipelineSchedule:
         group = stages[0].group
         if any(s.group is not group for s in stages):
             raise ValueError(f"{type(self).__name__}: all stages of a rank must share one pipeline group")
-        pp_size, pp_rank = group.world_size, group.rank
+        pp_size, pp_rank = group.world_size, group.group_rank
         v = len(stages)
         if any(s.num_stages != pp_size * v for s in stages):
             raise ValueError(f"{type(self).__name__}: {v} stage(s) per rank × pp size {pp_size} = {pp_size * v}, "

@@ -78,10 +78,10 @@ class PipelineStage:
         if num_stages % pp_size:
             raise ValueError(f"PipelineStage: num_stages ({num_stages}) must be a multiple of the pipeline "
                              f"group's size ({pp_size}): stage k runs on pp rank k % {pp_size}")
-        if stage_index % pp_size != pp_group.rank:
+        if stage_index % pp_size != pp_group.group_rank:
             raise ValueError(f"PipelineStage: stage {stage_index} belongs to pp rank {stage_index % pp_size} "
                              f"(stage k runs on rank k % {pp_size}), but this process is pp rank "
-                             f"{pp_group.rank} of group {pp_group.ranks}")
+                             f"{pp_group.group_rank} of group {pp_group.ranks}")
         self.submodule = submodule
         self._is_pynccl_ddp = _check_dp_wrapper(submodule)
         self.stage_index = stage_index
@@ -123,7 +123,7 @@ class PipelineStage:
         return StageGraphs(self.submodule, self.device)
 
     def __repr__(self):
-        return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, pp rank {self.group.rank}, {self.device})"
+        return f"PipelineStage(stage {self.stage_index} of {self.num_stages}, pp rank {self.group.group_rank}, {self.device})"
 
     def _reset_step(self):
         self._fwd_cache: Dict[int, tuple] = {}       # mb -> (inputs, outputs)

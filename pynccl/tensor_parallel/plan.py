@@ -9,7 +9,9 @@ Each style shards the matched module's parameters in place (same names, same mod
 the model's own forward, DDP, ZeRO and state_dict keep working) and routes its input and output
 through the autograd ops of comm.py. Layouts say where a tensor is split: Shard(1) is the
 sequence of Hugging Face's [b, s, h] (sequence parallelism), Shard(-1) the features, Replicate()
-the whole tensor on every rank. torch's Shard / Replicate placements are accepted too.
+the whole tensor on every rank. torch's Shard / Replicate placements, torch's ParallelStyle
+objects (torch_styles.py maps them field by field) and a 1-D torch DeviceMesh for the group are
+accepted too, so a torch plan runs as written.
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ import torch
 import torch.nn as nn
 
 from ..comm import distributed as dist
+from ..comm.coalesced import coalesced_broadcaster
 from ..comm.groups import resolve_group
 from .layers import shard_tensor
+from .torch_styles import from_torch_style, is_torch_style
 
 GRAD_REDUCED_BY = "_pynccl_tp_grad_reduced_by"  # tensor attribute set by PrepareModuleInput
 STYLE_ATTR = "_pynccl_tp_style"                  # module attribute: the style(s) applied to it
@@ -141,22 +145,30 @@ def _matches(pattern: str, name: str) -> bool:
     return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts))
 
 
-def parallelize_module(module: nn.Module, tp_group, plan: Union[Plan, ParallelStyle]) -> nn.Module:
-    """Apply `plan` ({glob pattern of submodule names: style or tuple of styles}, or one style for
-    `module` itself) over `tp_group` (a pynccl ProcessGroup; None: the default group). Collective
-    in effect: every rank of the group must apply the same plan. Modifies `module` in place and
-    returns it. Raises ValueError, before changing anything, for a size that does not divide.
-    Patterns matching no module are reported with a warning (a pipeline stage may lack some)."""
-    if isinstance(plan, ParallelStyle):
+def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Union[Plan, ParallelStyle, None] = None,
+                       *, src_data_rank: Optional[int] = 0) -> nn.Module:
+    """torch's parallelize_module on plain tensors: apply `parallelize_plan` ({glob pattern of
+    submodule names: style or tuple of styles}, or one style for `module` itself; pynccl's styles
+    or torch's) over the TP group `device_mesh`: a pynccl ProcessGroup, a torch ProcessGroup or a
+    1-D torch DeviceMesh (None: the default group). Collective in effect: every rank of the group
+    must apply the same plan. src_data_rank (as torch's): the group rank whose weights every rank
+    shards (they are broadcast from it first); None: each rank shards its own. Modifies `module`
+    in place and returns it. Raises ValueError, before changing anything, for a size that does not
+    divide. Patterns matching no module are reported with a warning (a pipeline stage may lack some)."""
+    plan = {} if parallelize_plan is None else parallelize_plan
+    if isinstance(plan, ParallelStyle) or is_torch_style(plan):
         plan = {"": plan}
     if getattr(module, SHARD_SPECS_ATTR, None) is not None:
         raise ValueError(f"parallelize_module: {type(module).__name__} is already tensor-parallel")
-    tp_group = dist.get_default_group() if tp_group is None else resolve_group(tp_group)  # styles compare groups by identity
+    # styles compare groups by identity: the resolved pynccl group
+    tp_group = dist.get_default_group() if device_mesh is None else resolve_group(device_mesh)
     tp_size = dist.get_world_size(tp_group)
     named = list(module.named_modules())
     work = []
     for pattern, styles in plan.items():
         styles = tuple(styles) if isinstance(styles, (tuple, list)) else (styles,)
+        styles = tuple(mapped for style in styles
+                       for mapped in (from_torch_style(style, pattern) if is_torch_style(style) else (style,)))
         for style in styles:
             if not isinstance(style, ParallelStyle):
                 raise TypeError(f"parallelize_module: plan[{pattern!r}] must be a ParallelStyle, got {style!r}")
@@ -166,6 +178,8 @@ def parallelize_module(module: nn.Module, tp_group, plan: Union[Plan, ParallelSt
         work += [(name, mod, style) for name, mod in hits for style in styles]
     for name, mod, style in work:
         style.check(mod, name, tp_size)
+    if tp_size > 1 and src_data_rank is not None:
+        _broadcast_weights([mod for _, mod, _ in work], tp_group, src_data_rank)
     sharded: Dict[int, nn.Parameter] = {}
     for name, mod, style in sorted(work, key=lambda w: w[0] == ""):  # root styles (the loss) last
         if tp_size > 1:  # at TP 1 every style is the identity
@@ -174,6 +188,22 @@ def parallelize_module(module: nn.Module, tp_group, plan: Union[Plan, ParallelSt
              if getattr(p, "tp_shard_dim", None) is not None}
     setattr(module, SHARD_SPECS_ATTR, specs)
     return module
+
+
+def _broadcast_weights(modules, group, src_data_rank: int) -> None:
+    """Every rank's weights of the planned modules become group rank `src_data_rank`'s, as torch's
+    distribute_tensor(src_data_rank=...) makes them (one coalesced broadcast per dtype)."""
+    if not isinstance(src_data_rank, int) or not 0 <= src_data_rank < group.world_size:
+        raise ValueError(f"parallelize_module: src_data_rank must be a rank of the TP group (0..{group.world_size - 1}) "
+                         f"or None, got {src_data_rank!r}")
+    params = list({id(p): p for mod in modules for p in mod.parameters()}.values())
+    device = group.backend.device
+    on_device = [p.detach().to(device) for p in params]   # the parameter itself where it is on `device`
+    with torch.no_grad():
+        coalesced_broadcaster(on_device)(group.backend, src_data_rank)
+        for p, t in zip(params, on_device):
+            if p.device != device:
+                p.copy_(t)
 
 
 def shard_specs(module: nn.Module) -> Dict[str, Tuple[int, int]]:

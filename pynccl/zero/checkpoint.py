@@ -66,12 +66,12 @@ def _param_positions(model, optimizer) -> List[int]:
 
 def save_sharded(model, path: str, optimizer=None) -> None:
     g = model.process_group
-    token = [uuid.uuid4().hex if g.rank == 0 else None]
+    token = [uuid.uuid4().hex if g.group_rank == 0 else None]
     dist.broadcast_object_list(token, src=g.ranks[0], group=g)
-    final = shard_file(path, g.rank, g.world_size)
+    final = shard_file(path, g.group_rank, g.world_size)
     staged, error = final + ".staged", None
     # Hybrid sharding: the other replicas hold the same shards as the first, which writes them.
-    writes = model.replicate_group is None or model.replicate_group.rank == 0
+    writes = model.replicate_group is None or model.replicate_group.group_rank == 0
     if writes:
         try:
             atomic_save(_payload(model, token[0], optimizer), staged)   # temp file + fsync + rename
@@ -91,7 +91,7 @@ def save_sharded(model, path: str, optimizer=None) -> None:
 def _payload(model, token: str, optimizer) -> dict:
     g = model.process_group
     return {
-        "format": FORMAT, "token": token, "rank": g.rank, "world_size": g.world_size, "stage": model.stage,
+        "format": FORMAT, "token": token, "rank": g.group_rank, "world_size": g.world_size, "stage": model.stage,
         "units": [u.layout.metadata() for u in model.units],
         "shards": [u.check_params() or u.shard.detach().cpu() for u in model.units],
         "param_names": [info.names for info in model._param_infos],
@@ -147,7 +147,7 @@ def _check_tokens(tokens, path) -> None:
 
 def load_sharded(model, path: str, optimizer=None) -> None:
     g = model.process_group
-    mine = shard_file(path, g.rank, g.world_size)
+    mine = shard_file(path, g.group_rank, g.world_size)
     payload = _read(mine) if os.path.exists(mine) else None
     same = (payload is not None and payload["world_size"] == g.world_size
             and payload["units"] == [u.layout.metadata() for u in model.units]

@@ -123,7 +123,7 @@ class ShardedUnit:
         self.reduce_group = group if reduce_group is None else reduce_group   # reduce-scatters run here
         self.replicate_group = replicate_group         # and then all-reduces of the shard, here
         self.backend = group.backend
-        self.rank = group.rank
+        self.rank = group.group_rank
         self.master_dtype = master_dtype
         self.compute_dtype = compute_dtype or master_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype

@@ -54,8 +54,9 @@ from . import state_dict_type as _sd_type
 from .hybrid import broadcast_to_replicas, resolve_dp_groups
 from . import state_dict as _state_dict
 from .memory import held_bytes
-from .mixed_precision import MixedPrecision, cast_inputs, check_policy
+from .mixed_precision import MixedPrecision, cast_inputs, cast_outputs, check_policy
 from .params import collect_params, install, named_buffers_all
+from .sharding_strategy import resolve_stage
 from .stage3 import ShardedParamsRuntime
 from .stage12 import ReplicatedParamsRuntime
 from .wrap import WrapSpec, select_unit_modules
@@ -65,24 +66,34 @@ class FullyShardedDataParallel(nn.Module):
     """ZeRO-sharded data parallelism; see the module docstring.
 
     stage: 1 (optimizer state sharded), 2 (+ gradients reduce-scattered in buckets during
-    backward), 3 (+ parameters sharded, gathered per unit). process_group: a pynccl group
-    (default: the default group). bucket_cap_mb: gradient bucket size of stages 1/2.
+    backward), 3 (+ parameters sharded, gathered per unit; the default, as torch FSDP's
+    FULL_SHARD). sharding_strategy (keyword): torch's ShardingStrategy instead of stage
+    (sharding_strategy.py: FULL_SHARD 3, SHARD_GRAD_OP 2). process_group: a pynccl group
+    (default: the default group). mixed_precision: pynccl's MixedPrecision, or torch's
+    MixedPrecisionPolicy (FSDP2) / MixedPrecision (FSDP1), mapped field by field.
+    bucket_cap_mb: gradient bucket size of stages 1/2.
     wrap_modules (stage 3): None/"auto", module classes, submodules, or a predicate.
     sync_module_states: start from rank 0's parameters and buffers.
     process_group=(shard_group, replicate_group) or mesh= (a ParallelMesh with dp_shard, or a
     torch DeviceMesh of dims (replicate, shard)): hybrid sharding (hybrid.py).
     """
 
-    def __init__(self, module: nn.Module, stage: int = 1, process_group: Optional[ProcessGroup] = None,
+    def __init__(self, module: nn.Module, stage: Optional[int] = None, process_group: Optional[ProcessGroup] = None,
                  mixed_precision: Optional[MixedPrecision] = None, bucket_cap_mb: float = 25,
-                 wrap_modules: WrapSpec = None, sync_module_states: bool = True, mesh=None):
+                 wrap_modules: WrapSpec = None, sync_module_states: bool = True, mesh=None, *,
+                 sharding_strategy=None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("FullyShardedDataParallel: the module is already wrapped; nesting is not supported")
-        if isinstance(stage, bool) or stage not in (1, 2, 3):
-            raise ValueError(f"FullyShardedDataParallel: stage must be 1, 2 or 3, got {stage!r}")
+        stage, hybrid = resolve_stage(stage, sharding_strategy)
+        if hybrid and mesh is None and not isinstance(process_group, (tuple, list)):
+            from ..mesh import ParallelMesh             # torch FSDP's HYBRID_SHARD default: a shard group per node
+            if process_group is not None:
+                raise ValueError(f"FullyShardedDataParallel: {sharding_strategy} needs process_group=(shard_group, "
+                                 f"replicate_group), mesh=, or neither (one shard group per node); got one group")
+            mesh = ParallelMesh(dp=None, dp_shard="node")
         if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
             raise ValueError(f"FullyShardedDataParallel: bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
         if wrap_modules is not None and stage != 3:
@@ -139,12 +150,12 @@ class FullyShardedDataParallel(nn.Module):
         rt = self._runtime
         if self.stage != 3:
             rt.pre_forward(self._sync_grads)
-            return self.module(*args, **kwargs)
+            return cast_outputs(self.policy, self.module(*args, **kwargs))
         rt.pre_root_forward(self._sync_grads)
         with torch.autograd.graph.saved_tensors_hooks(rt.pack, rt.unpack):
             out = self.module(*args, **kwargs)
         rt.post_root_forward(out)
-        return out
+        return cast_outputs(self.policy, out)
 
     @contextlib.contextmanager
     def no_sync(self):

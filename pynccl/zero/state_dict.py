@@ -191,7 +191,7 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True):
 
     by_index = {i.index: i for i in infos}
     group = model.process_group
-    rank = dist.get_rank(group)
+    rank = group.group_rank
     with torch.no_grad():
         for unit in model.units:                       # NOTE: collective (DTensors), same order everywhere
             found = [lookup(by_index[s.param_index]) for s in unit.layout.slots]
@@ -236,7 +236,7 @@ def local_optim_state_dict(model, osd: dict, optimizer) -> dict:
                          f"{[len(g['params']) for g in saved_groups]} parameters, this optimizer "
                          f"{[len(row) for row in per_group]}; build it with the same param groups")
     saved_state = {int(k): v for k, v in osd["state"].items()}
-    rank = dist.get_rank(model.process_group)
+    rank = model.process_group.group_rank
     new_state, new_groups, pos = {}, [], 0
     for saved, row in zip(saved_groups, per_group):
         positions = []

@@ -11,20 +11,36 @@ Every op returns None when async_op=False, else a Work.
 from __future__ import annotations
 
 import abc
-from typing import List, Optional, Sequence
+import datetime
+from typing import List, Optional, Sequence, Union
 
 import torch
+
+
+def wait_timeout_seconds(timeout: Union[None, float, datetime.timedelta]) -> Optional[float]:
+    """Work.wait's `timeout` in seconds, or None for "no timeout of the call's own" (the group's
+    bound applies): torch passes a timedelta, whose default timedelta(0) means none; pynccl 0.1
+    documented seconds (a number), still taken."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+        raise ValueError(f"Work.wait: timeout must be a datetime.timedelta (as torch's) or a number of seconds "
+                         f">= 0, got {timeout!r}")
+    return None if seconds == 0 else float(seconds)
 
 
 class Work(abc.ABC):
     """Handle of an op started with async_op=True.
 
-    wait(): the caller's current stream (CUDA) waits for the op; on CPU, the host waits,
-    bounded by the group's timeout. is_completed(): non-blocking query.
+    wait(timeout=None): the caller's current stream (CUDA) waits for the op; on CPU, the host
+    waits, bounded by the group's timeout. As torch's Work.wait, a `timeout` (a timedelta, or
+    seconds) makes the host wait for the op, at most that long, and raise CommTimeoutError past
+    it. is_completed(): non-blocking query.
     """
 
     @abc.abstractmethod
-    def wait(self, timeout: Optional[float] = None) -> bool: ...
+    def wait(self, timeout: Union[None, float, datetime.timedelta] = None) -> bool: ...
 
     @abc.abstractmethod
     def is_completed(self) -> bool: ...
@@ -35,26 +51,6 @@ class Work(abc.ABC):
         from ..work_future import completed_future, outputs_of
         self.wait()
         return completed_future(outputs_of(self))
-
-
-class P2POp:
-    """One send or recv of a batch_isend_irecv call (torch.distributed.P2POp's shape).
-
-    `op` is pynccl.isend or pynccl.irecv (or the strings "isend"/"irecv"); `peer` is a
-    global rank, translated to a group rank by pynccl.comm.distributed.
-    """
-
-    __slots__ = ("op", "tensor", "peer", "group", "is_send")
-
-    def __init__(self, op, tensor: torch.Tensor, peer: int, group=None, tag: int = 0):
-        name = op if isinstance(op, str) else getattr(op, "__name__", "")
-        if name not in ("isend", "irecv", "send", "recv"):
-            raise ValueError(f"P2POp: op must be pynccl.isend or pynccl.irecv, got {op!r}")
-        self.op = op
-        self.is_send = name in ("isend", "send")
-        self.tensor = tensor
-        self.peer = peer
-        self.group = group
 
 
 class Backend(abc.ABC):
@@ -103,8 +99,21 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def batch_isend_irecv(self, ops: List[tuple]):
         """ops: list of (is_send: bool, tensor, group-local peer). One NCCL group. Returns a Work."""
+
+    def batch_isend_irecv_works(self, ops: List[tuple]) -> List[Work]:
+        """torch's batch_isend_irecv result on this backend: torch's ProcessGroupNCCL coalesces the
+        batch into one Work (a list of one); a backend that does not coalesce (gloo) overrides this
+        to return one Work per op."""
+        return [self.batch_isend_irecv(ops)]
     @abc.abstractmethod
     def barrier(self): ...
+
+    def barrier_work(self) -> Work:
+        """barrier(async_op=True): the barrier started without a host wait; the Work's synchronize()
+        is the wait. A one-element float32 SUM all-reduce, the very op the nccl backend's barrier()
+        runs (csrc/collectives.cpp), so ranks may mix the two; gloo overrides it with its barrier."""
+        from ..reduce_op import ReduceOp
+        return self.all_reduce(torch.zeros(1, device=self.device), ReduceOp.SUM, True)
 
     def recv_any_source(self, tensor: torch.Tensor) -> int:
         """Blocking receive from any rank; returns the sender's group rank. NCCL has none."""

@@ -18,7 +18,7 @@ from ...errors import CommTimeoutError, PyncclError
 from .. import work_future
 from ..flight_recorder import FlightRecorder
 from ..reduce_op import PremulSum, ReduceOp, as_reduce_op, check_op_for_dtype
-from .base import Backend, Work
+from .base import Backend, Work, wait_timeout_seconds
 
 _CPU = torch.device("cpu")
 _SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -45,13 +45,16 @@ class GlooWork(Work):
         self._lock = threading.Lock()
         self._future = None
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout=None) -> bool:
+        """Host wait for the op, at most `timeout` (a timedelta as torch's, or seconds; default and
+        timedelta(0): the group's timeout); CommTimeoutError past it."""
         if self._done:
             return True
         with self._lock:
             if self._done:
                 return True
-            t = self._backend.timeout_s if timeout is None else timeout
+            t = wait_timeout_seconds(timeout)
+            t = self._backend.timeout_s if t is None else t
             try:
                 with self._backend._translate_errors(self._op_name, self._seq, self._record):
                     for w in self._works:
@@ -378,8 +381,23 @@ class GlooBackend(Backend):
                 for is_send, t, peer in ops])
         return self._run("batch_isend_irecv", True, start)
 
+    def batch_isend_irecv_works(self, ops):
+        """One GlooWork per op, as torch's batch_isend_irecv on gloo (no coalescing there): each
+        completes with its own op."""
+        batch = self.batch_isend_irecv(ops)   # its torch works: one per op
+
+        def finish():   # the flight record's entry completes with the batch's last op
+            if batch._record is not None and all(w.is_completed() for w in batch._works):
+                batch._record["state"] = "completed"
+        return [GlooWork(self, "batch_isend_irecv", batch._seq, [w], finish) for w in batch._works]
+
     def barrier(self):
         self._run("barrier", False, lambda: tdist.barrier(group=self.pg, async_op=True))
+
+    def barrier_work(self) -> GlooWork:
+        """barrier(async_op=True): gloo's own barrier (one rank may call barrier() meanwhile: the
+        same gloo op), not started-and-waited: the GlooWork's wait() is the host wait."""
+        return self._run("barrier", True, lambda: tdist.barrier(group=self.pg, async_op=True))
 
     # ------------------------------------------------------------------ bucket kernels
     def pack(self, tensors: List[torch.Tensor], flat: torch.Tensor, scale: float = 1.0):
@@ -426,6 +444,11 @@ class GlooBackend(Backend):
                 tdist.destroy_process_group(self.pg)
             except (ValueError, RuntimeError):
                 pass
+        # NOTE: a future callback of one of this group's ops (GlooWork.get_future, coalesced ops)
+        # may hold this backend until gloo's worker thread drops it. Were this the torch group's
+        # last reference, its destructor would run on that worker thread and join it: std::terminate
+        # ("Resource deadlock avoided"). The caller's thread lets go of it here instead.
+        self.pg = None
 
     def abort(self):
         self.destroy()
