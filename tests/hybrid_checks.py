@@ -80,7 +80,10 @@ def check_node_layout(rank, ws, ranks_per_node):
     assert layout == NodeLayout.uniform(ws, ranks_per_node), layout
     node = rank // ranks_per_node
     mine, subgroups = pynccl.new_subgroups()
-    assert mine.ranks == layout.ranks(node) and [g.ranks for g in subgroups] == layout.nodes
+    assert mine.ranks == layout.ranks(node)
+    # as torch's: one entry per node, GroupMember.NON_GROUP_MEMBER for the nodes this rank is not on
+    assert [g.ranks if i == node else g for i, g in enumerate(subgroups)] == \
+        [ranks if i == node else pynccl.GroupMember.NON_GROUP_MEMBER for i, ranks in enumerate(layout.nodes)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")                 # TP within a node: no warning
         mesh = ParallelMesh(dp=None, tp=ranks_per_node, dp_shard=None)

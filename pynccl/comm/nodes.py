@@ -111,7 +111,7 @@ def _spans(ranks: Sequence[int]) -> str:
 
 def node_ids(group) -> List[str]:
     """node_id_from_env() of each rank of `group`, in group order (collective over the group)."""
-    from .collectives import all_gather_object
+    from .object_collectives import all_gather_object
     ids = [None] * group.world_size
     all_gather_object(ids, node_id_from_env(), group=group)
     return ids

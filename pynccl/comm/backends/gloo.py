@@ -131,6 +131,10 @@ class GlooBackend(Backend):
         self.seq = 0
         self._destroyed = False
         self.recorder = FlightRecorder()
+        # torch works of p2p ops handed out one per op that nobody may wait for (a script that waits
+        # only for its receive, as torch users do): kept until they complete, since a dropped gloo
+        # send work cancels the send and its peer's receive would never complete.
+        self._unwaited: list = []
 
     @classmethod
     def from_default_group(cls, timeout_s: float) -> "GlooBackend":
@@ -385,6 +389,7 @@ class GlooBackend(Backend):
         """One GlooWork per op, as torch's batch_isend_irecv on gloo (no coalescing there): each
         completes with its own op."""
         batch = self.batch_isend_irecv(ops)   # its torch works: one per op
+        self._unwaited = [w for w in self._unwaited if not w.is_completed()] + list(batch._works)
 
         def finish():   # the flight record's entry completes with the batch's last op
             if batch._record is not None and all(w.is_completed() for w in batch._works):
@@ -439,6 +444,7 @@ class GlooBackend(Backend):
 
     def destroy(self):
         self._destroyed = True
+        self._unwaited = []
         if self.owns_pg and self.pg is not tdist.group.WORLD and tdist.is_initialized():
             try:
                 tdist.destroy_process_group(self.pg)
