@@ -17,6 +17,8 @@ from typing import Dict, List
 
 import torch
 
+from .. import _ext
+
 _outputs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _side_streams: Dict[int, "torch.cuda.Stream"] = {}
 
@@ -65,6 +67,5 @@ def _flatten(value):
 
 def install() -> None:
     """Give pynccl._C.Work torch's get_future() (the C++ class is not ours to extend in csrc)."""
-    from .. import _ext
     if _ext._C is not None and not hasattr(_ext._C.Work, "get_future"):
         _ext._C.Work.get_future = cuda_work_future

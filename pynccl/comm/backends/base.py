@@ -15,6 +15,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ... import _ext
+from ..work_future import completed_future, outputs_of
+
 
 class Work(abc.ABC):
     """Handle of an op started with async_op=True.
@@ -32,9 +35,12 @@ class Work(abc.ABC):
     def get_future(self) -> torch.futures.Future:
         """torch's Work.get_future (work_future.py): a future whose value is the op's output tensors.
         This default waits first; GlooWork completes its future from gloo's thread instead."""
-        from ..work_future import completed_future, outputs_of
         self.wait()
         return completed_future(outputs_of(self))
+
+
+if _ext._C is not None:
+    Work.register(_ext._C.Work)  # C++ Work handles are Works for isinstance checks
 
 
 class P2POp:
