@@ -3,11 +3,11 @@ torch.distributed.tensor.parallel on plain tensors and pynccl groups, with no DT
 
     model = parallelize_module(model, tp_group, {"model.layers.*.self_attn.q_proj": ColwiseParallel(), ...})
 
-This file holds the machinery: layouts, the ParallelStyle interface, parameter sharding and
-parallelize_module; styles.py the styles, loss_parallel.py the loss, plans.py ready plans.
-Each style shards the matched module's parameters in place (same names, same module classes, so
-the model's own forward, DDP, ZeRO and state_dict keep working) and routes its input and output
-through the autograd ops of comm.py. Layouts say where a tensor is split: Shard(1) is the
+This file holds the machinery: layouts, the ParallelStyle interface and parallelize_module;
+styles.py the styles, loss_parallel.py the loss, plans.py ready plans. Each style shards the
+matched module's parameters in place (same names, same module classes, so the model's own forward,
+DDP, ZeRO and state_dict keep working) with the sharding code the Megatron-layout layers are built
+with (sharding.py), and replaces its forward by the same functions as theirs (sharded_ops.py). Layouts say where a tensor is split: Shard(1) is the
 sequence of Hugging Face's [b, s, h] (sequence parallelism), Shard(-1) the features, Replicate()
 the whole tensor on every rank. torch's Shard / Replicate placements are accepted too.
 """
@@ -18,12 +18,10 @@ import types
 import warnings
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
-import torch
 import torch.nn as nn
 
 from ..comm import distributed as dist
 from ..comm.groups import resolve_group
-from .layers import shard_tensor
 
 GRAD_REDUCED_BY = "_pynccl_tp_grad_reduced_by"  # tensor attribute set by PrepareModuleInput
 STYLE_ATTR = "_pynccl_tp_style"                  # module attribute: the style(s) applied to it
@@ -70,11 +68,6 @@ def layout_of(value, what: str, allow_none: bool = False):
     raise ValueError(f"{what}: expected Shard(dim) or Replicate(), got {value!r}")
 
 
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's Conv1D (GPT-2): a linear layer storing its weight transposed, (in, out)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
-
-
 def is_sequence_dim(layout, ndim: int) -> bool:
     return layout.is_shard() and layout.dim % ndim != ndim - 1
 
@@ -90,30 +83,10 @@ class ParallelStyle:
         raise NotImplementedError
 
 
-def require_divisible(name: str, what: str, value: int, tp_size: int, num_chunks: int = 1, hint: str = "") -> None:
-    if value % (tp_size * num_chunks):
-        by = f"{num_chunks} fused blocks × " if num_chunks > 1 else ""
-        raise ValueError(f"{name or 'the root module'}: {what}={value} is not divisible by {by}tp={tp_size}{hint}")
-
-
-def shard_param(module: nn.Module, attr: str, dim: int, group, sharded: Dict[int, nn.Parameter],
-                num_chunks: int = 1) -> None:
-    """Replace module.<attr> by this rank's slice (a new Parameter, same name). A parameter
-    shared with a module already sharded (tied embedding and LM head) gets that same slice."""
-    full = module._parameters[attr]
-    if id(full) in sharded:
-        param = sharded[id(full)]
-        if (param.tp_shard_dim, param.tp_num_chunks) != (dim, num_chunks):
-            raise ValueError(f"{type(module).__name__}.{attr}: this tied parameter is sharded on dim "
-                             f"{param.tp_shard_dim} by another style, but this style needs dim {dim}")
-    elif getattr(full, "tp_shard_dim", None) is not None:
-        raise ValueError(f"{type(module).__name__}.{attr} is already tensor-parallel (parallelized twice?)")
-    else:
-        shard = shard_tensor(full.detach(), dim, dist.get_rank(group), dist.get_world_size(group), num_chunks)
-        param = nn.Parameter(shard.clone(memory_format=torch.contiguous_format), requires_grad=full.requires_grad)
-        param.tp_shard_dim, param.tp_num_chunks = dim, num_chunks
-        sharded[id(full)] = param
-    module._parameters[attr] = param
+def install_shards(module: nn.Module, shards: Dict[str, nn.Parameter]) -> None:
+    """Put each shard in place of the module's parameter of that name (same names, same module class)."""
+    for attr, param in shards.items():
+        module._parameters[attr] = param
 
 
 def set_forward(module: nn.Module, style, forward) -> None:
