@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  a layer's meta-device build imports it: once, before the ranks fork
 import torch.nn as nn
 
 import pynccl
