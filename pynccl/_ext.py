@@ -23,9 +23,6 @@ try:
 except ImportError as e:  # not built, or built against another torch/NCCL
     _C = None
     _IMPORT_ERROR = e
-else:
-    from pynccl.comm.backends.base import Work as _Work
-    _Work.register(_C.Work)  # C++ Work handles are base.Work for isinstance checks, whoever imports first
 
 _BUILD_HINT = (
     "build it with `pip install --no-build-isolation -e .` (or `pip install --no-build-isolation .`) from "

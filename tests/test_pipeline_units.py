@@ -106,10 +106,10 @@ def _cuda_graph_refusals(rank, world_size):
     # A ZeRO or DDP wrapper anywhere inside the stage (examples/train_llama.py pipelines a ZeRO-3 model
     # inside a plain module) communicates and frees parameters in forward: refused, named.
     zero = pynccl.FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), stage=3)
-    with pytest.raises(TypeError, match=r"but inner is a pynccl data-parallel wrapper"):
+    with pytest.raises(TypeError, match=r"but inner is a data-parallel wrapper"):
         PipelineStage(nn.ModuleDict({"inner": zero}), 0, 1, cuda_graph=True)
     ddp = pynccl.DistributedDataParallel(nn.Linear(4, 4))
-    with pytest.raises(TypeError, match=r"but the stage module is a pynccl data-parallel wrapper"):
+    with pytest.raises(TypeError, match=r"but the stage module is a data-parallel wrapper"):
         PipelineStage(ddp, 0, 1, cuda_graph=True)
     return True
 

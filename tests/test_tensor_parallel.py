@@ -255,14 +255,14 @@ def _init_checks(group, dev):
 def _error_checks(group, dev):
     ws = group.world_size
     odd = 4 * ws + 1
-    with pytest.raises(ValueError, match=rf"out_features \({odd}\) is not divisible by the tensor-parallel size \({ws}\)"):
+    with pytest.raises(ValueError, match=rf"ColumnParallelLinear: out_features={odd} is not divisible by tp={ws}"):
         tp.ColumnParallelLinear(H, odd, group=group)
-    with pytest.raises(ValueError, match=rf"in_features \({odd}\) is not divisible .* \({ws}\)"):
+    with pytest.raises(ValueError, match=rf"RowParallelLinear: in_features={odd} is not divisible by tp={ws}"):
         tp.RowParallelLinear(odd, H, group=group)
-    with pytest.raises(ValueError, match=rf"ffn_hidden_size \({odd}\) is not divisible .* \({ws}\)"):
+    with pytest.raises(ValueError, match=rf"ParallelMLP: ffn_hidden_size={odd} is not divisible by tp={ws}"):
         tp.ParallelMLP(H, odd, group=group)
     heads = ws + 1
-    with pytest.raises(ValueError, match=rf"num_heads \({heads}\) is not divisible .* \({ws}\)"):
+    with pytest.raises(ValueError, match=rf"ParallelCausalSelfAttention: num_heads={heads} is not divisible by tp={ws}"):
         tp.ParallelTransformerBlock(2 * heads, heads, group=group)
     with pytest.raises(ValueError, match=r"hidden_size \(10\) must be a multiple of num_heads \(4\)"):
         tp.ParallelCausalSelfAttention(10, 4, group=group)

@@ -241,7 +241,7 @@ def test_unshard_tensor_inverts_shard_tensor():
 
 
 def test_plan_patterns_match_per_dotted_atom():
-    from pynccl.tensor_parallel.plan import _matches
+    from pynccl.tensor_parallel.parallelize import _matches
     assert _matches("model.layers.*.mlp", "model.layers.3.mlp")
     assert not _matches("model.layers.*.mlp", "model.layers.3.block.mlp")
     assert _matches("", "") and not _matches("", "lm_head") and not _matches("lm_head", "")

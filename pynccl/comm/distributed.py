@@ -12,13 +12,12 @@ from .collectives import (all_gather, all_gather_into_tensor, all_reduce, all_to
                           broadcast, gather, reduce, reduce_scatter, reduce_scatter_tensor, scatter)
 from .groups import (ProcessGroup, abort_process_group, destroy_process_group, flight_record, get_backend,
                      get_default_group, get_device, get_process_group_ranks, get_rank, get_store, get_world_size,
-                     init_process_group, is_initialized, new_group, resolve_group)
+                     init_process_group, is_initialized, new_group, resolve_group, to_torch_group)
 from .monitored_barrier import monitored_barrier
 from .object_collectives import (all_gather_object, broadcast_object_list, gather_object, recv_object_list,
                                  scatter_object_list, send_object_list)
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .subgroups import get_global_rank, get_group_rank, new_subgroups, new_subgroups_by_enumeration, split_group
-from .torch_interop import to_torch_group
 from .work_future import install as _install_work_api
 
 _install_work_api()

@@ -1,12 +1,12 @@
 """Process groups and their life cycle: the default group, init (rendezvous + backend),
-new_group, destroy/abort, and the small state every collective reads (collectives.py).
+new_group, destroy/abort, and resolve_group, where every `group=` argument is normalised.
+What a group is and the state of an init (what every collective reads) are process_group.py.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import time
-import weakref
 from typing import List, Optional, Sequence
 
 import torch
@@ -14,111 +14,10 @@ import torch
 from . import rendezvous
 from .backend_names import parse_backend
 from .membership import NON_GROUP_MEMBER, is_non_member
-
-DEFAULT_TIMEOUT_S = 600.0
-
-
-class _Unusable:
-    """Stands in for a group's backend where no op may run; every use raises `error`."""
-
-    __slots__ = ("_error",)
-
-    def __init__(self, error: Exception):
-        self._error = error
-
-    def __getattr__(self, name):
-        raise self._error
-
-
-class GroupRank(int):
-    """This process's rank in a group, as an int that may also be called: `g.rank()` is torch's
-    ProcessGroup.rank(); `g.rank` used as an int is pynccl 0.1's attribute, so code written
-    either way gets the same number (a plain method would make the old `g.rank == 0` silently
-    False). New code reads `g.rank()` or `g.group_rank`."""
-
-    __slots__ = ()
-
-    def __call__(self) -> int:
-        return int(self)
-
-
-class ProcessGroup:
-    """A set of global ranks and the Backend that talks to them.
-
-    As torch's ProcessGroup: `rank()` / `size()` are this process's position in the group and
-    the group's size (torch.distributed.get_rank(group) / get_world_size(group)). The same as
-    plain ints: `group_rank` and `world_size`. `ranks` are the global ranks, in group order.
-    """
-
-    def __init__(self, backend, ranks: Sequence[int], name: str, timeout_s: float, backend_name: str):
-        self.backend = backend
-        self.ranks = list(ranks)
-        self.name = name
-        self.timeout_s = timeout_s
-        self.backend_name = backend_name
-        self._group_rank_of = {g: i for i, g in enumerate(self.ranks)}
-        self.group_rank = -1 if isinstance(backend, _Unusable) else backend.rank
-        self.world_size = len(self.ranks)
-        self._torch_group = None   # the torch ProcessGroup of the same ranks (torch_interop.py)
-
-    @property
-    def rank(self) -> GroupRank:
-        """torch's `g.rank()`; see GroupRank."""
-        return GroupRank(self.group_rank)
-
-    def size(self) -> int:
-        """torch's ProcessGroup.size(): the number of ranks in the group."""
-        return self.world_size
-
-    @property
-    def torch_group(self):
-        """A torch.distributed ProcessGroup over the same global ranks, for torch APIs that need
-        one (see pynccl.to_torch_group: made on first access, collective over the members)."""
-        from .torch_interop import to_torch_group
-        return to_torch_group(self)
-
-    @property
-    def is_member(self) -> bool:
-        return self.group_rank >= 0
-
-    def to_group_rank(self, global_rank: int, what: str = "rank") -> int:
-        """Group rank of `global_rank`; ValueError naming the group if it is not in it."""
-        if not isinstance(global_rank, int) or isinstance(global_rank, bool):
-            raise TypeError(f"{what} must be an int (a global rank), got {type(global_rank).__name__}")
-        idx = self._group_rank_of.get(global_rank)
-        if idx is None:
-            raise ValueError(f"{what}={global_rank} is not a rank of group '{self.name}' "
-                             f"(global ranks {self.ranks})")
-        return idx
-
-    def __repr__(self):
-        return (f"ProcessGroup(name={self.name!r}, backend={self.backend_name!r}, ranks={self.ranks}, "
-                f"rank={self.group_rank})")
-
-
-class _State:
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.world = ProcessGroup(
-            _Unusable(RuntimeError("pynccl: the default process group is not initialized; "
-                                   "call pynccl.init_process_group(backend='nccl'|'gloo') first")),
-            [], "<uninitialized>", DEFAULT_TIMEOUT_S, "none")
-        self.initialized = False
-        self.groups: List[ProcessGroup] = []
-        self.store = None
-        self.owns_torch_dist = False
-        self.num_groups_created = 0
-        self.check_collectives = False
-        self.key_prefix = "pynccl/0"   # store keys of this init: "pynccl/<generation>"
-        # torch ProcessGroup -> the pynccl group of its ranks (torch_interop.py); weak, so a
-        # torch group that is dropped is not kept alive by pynccl.
-        self.torch_groups = weakref.WeakKeyDictionary()
-        self.torch_group_uses = {}    # torch group name -> how many times it was mapped (store keys)
-
-
-_state = _State()
+# NOTE: re-exported: every module of comm/ reads the group state and its helpers through here.
+from .process_group import (DEFAULT_TIMEOUT_S, GroupRank, ProcessGroup, _maybe_checked, _require_usable,  # noqa: F401
+                            _state, _Unusable, get_default_group)
+from .torch_interop import from_torch_group
 
 
 # ----------------------------------------------------------------------------- init/groups
@@ -196,13 +95,6 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     _state.groups = [_state.world]
 
 
-def _maybe_checked(backend, name: str):
-    if not _state.check_collectives:
-        return backend
-    from .collective_check import CheckedBackend
-    return CheckedBackend(backend, _state.store, name, _state.key_prefix)
-
-
 def flight_record(group=None) -> List[dict]:
     """The group's last collectives (oldest first): op, seq, dtype, count, peer, state,
     enqueue_time_us. Also written as JSON when an op of the group fails or times out."""
@@ -227,19 +119,14 @@ def resolve_group(group) -> ProcessGroup:
     if is_non_member(group):
         raise ValueError("group is GroupMember.NON_GROUP_MEMBER: this rank is not in that group (new_group / "
                          "split_group return it on ranks outside the group); call this only on its members")
-    from .torch_interop import from_torch_group
     return from_torch_group(group)
 
 
-def _require_usable(g: ProcessGroup) -> ProcessGroup:
-    """Raise the group's own error (not initialized / destroyed / not a member) if it has one."""
-    if isinstance(g.backend, _Unusable):
-        raise g.backend._error
-    return g
-
-
-def get_default_group() -> ProcessGroup:
-    return _require_usable(_state.world)
+def to_torch_group(group=None):
+    """A torch.distributed ProcessGroup over the global ranks of pynccl group `group` (None: the
+    default group), in the same order, for torch APIs that take one: `group.torch_group`
+    (process_group.py; made on first access, which is collective over the group's members)."""
+    return _require_usable(resolve_group(group)).torch_group
 
 
 def get_store():

@@ -29,7 +29,7 @@ def is_non_member(group) -> bool:
 
 def warn_not_in_group(op_name: str) -> None:
     """torch's _warn_not_in_group, word for word, so filters written for torch's warning match."""
-    from .groups import _state
+    from .process_group import _state
     rank = _state.world.group_rank if _state.initialized else -1
     warnings.warn(f"Running {op_name} on global rank {rank} which does not belong to the given group.",
                   stacklevel=3)
@@ -44,7 +44,7 @@ def non_member_error(fn: str) -> ValueError:
 def root_rank(g, fn: str, global_rank: Optional[int], group_rank: Optional[int], what: str) -> int:
     """The group rank of an op's root/peer given as `what` (a global rank) or `group_<what>` (a rank
     of `g`): exactly one of them, as torch's _canonicalize_group_rank."""
-    from .groups import _require_usable
+    from .process_group import _require_usable
     _require_usable(g)   # not initialized / destroyed: the group's own error first
     if group_rank is not None:
         if global_rank is not None:

@@ -1,4 +1,4 @@
-"""Groups across the torch.distributed boundary, both ways.
+"""torch.distributed's groups accepted as pynccl groups.
 
 torch -> pynccl: a torch ProcessGroup (torch.distributed.new_group, init_device_mesh(...).get_group()),
 or a 1-D DeviceMesh (its group), is accepted wherever pynccl takes a group, through
@@ -13,11 +13,8 @@ the pynccl group is made by the members alone, never by a split of the default c
 NOTE: so the first use of a torch group is collective over that group's members: each of them must
 reach it (any pynccl call with the group) before the others can go on, as with torch's NCCL groups.
 
-pynccl -> torch: to_torch_group(g) / g.torch_group is a torch ProcessGroup over g's ranks for torch
-APIs that need one (DTensor, torch FSDP2, DistributedSampler-style helpers): the torch group a group
-was mapped from; on gloo the torch gloo group pynccl already runs on; on nccl a
-"cpu:gloo,cuda:nccl" torch group made on first access by the members (use_local_synchronization),
-so it carries CUDA and CPU tensors. It is cached on the group.
+pynccl -> torch: the other way is ProcessGroup.torch_group (process_group.py), spelled
+pynccl.to_torch_group(g) as in groups.py.
 """
 from __future__ import annotations
 
@@ -25,15 +22,8 @@ import datetime
 
 import torch.distributed as tdist
 
-from . import groups, rendezvous
-from .groups import ProcessGroup, _state
-
-
-def _torch_backend_name(pg) -> str:
-    try:
-        return str(tdist.get_backend(pg))
-    except (RuntimeError, ValueError):
-        return ""
+from . import rendezvous
+from .process_group import ProcessGroup, _maybe_checked, _state, get_default_group, torch_backend_name
 
 
 def _is_device_mesh(obj) -> bool:
@@ -58,7 +48,7 @@ def from_torch_group(pg) -> ProcessGroup:
     cached = _state.torch_groups.get(pg)
     if cached is not None:
         return cached
-    world = groups.get_default_group()
+    world = get_default_group()
     ranks = tdist.get_process_group_ranks(pg)
     if ranks == list(range(world.world_size)):
         group = world   # NOTE: the same ranks in the same order: the default communicator serves it
@@ -81,7 +71,7 @@ def _members_only_group(pg, ranks, world: ProcessGroup) -> ProcessGroup:
     timeout_s = world.timeout_s
     if world.backend_name == "gloo":
         from .backends.gloo import GlooBackend
-        if "gloo" in _torch_backend_name(pg):
+        if "gloo" in torch_backend_name(pg):
             backend = GlooBackend(pg, group_rank, len(ranks), timeout_s, name, owns_pg=False)
         else:
             gloo_pg = tdist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
@@ -92,27 +82,8 @@ def _members_only_group(pg, ranks, world: ProcessGroup) -> ProcessGroup:
         prefix = f"{_state.key_prefix}/torch_group/{pg.group_name}/{uses}"
         unique_id = rendezvous.exchange_unique_id(_state.store, prefix, group_rank, timeout_s)
         backend = NcclBackend.create(unique_id, len(ranks), group_rank, world.backend.device, timeout_s, name=name)
-    group = ProcessGroup(groups._maybe_checked(backend, name), ranks, name, timeout_s, world.backend_name)
+    group = ProcessGroup(_maybe_checked(backend, name), ranks, name, timeout_s, world.backend_name)
     group._torch_group = pg
     _state.groups.append(group)
     return group
 
-
-def to_torch_group(group=None):
-    """A torch.distributed ProcessGroup over the global ranks of pynccl group `group` (None: the
-    default group), in the same order, for torch APIs that take one. Made on first access (then
-    cached on the group); the first access is collective over the group's members."""
-    g = groups._require_usable(groups.resolve_group(group))
-    if g._torch_group is not None:
-        return g._torch_group
-    pg = getattr(g.backend, "pg", None)   # gloo: the torch gloo group the backend runs on
-    if pg is None:
-        full = g.ranks == list(range(tdist.get_world_size()))
-        if full and "nccl" in _torch_backend_name(tdist.group.WORLD):
-            pg = tdist.group.WORLD
-        else:
-            pg = tdist.new_group(g.ranks, backend="cpu:gloo,cuda:nccl",
-                                 timeout=datetime.timedelta(seconds=g.timeout_s), use_local_synchronization=True)
-    g._torch_group = pg
-    _state.torch_groups[pg] = g
-    return pg

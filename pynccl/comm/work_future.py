@@ -19,14 +19,15 @@ Work), so the future's value is that list, as torch's (all_reduce: [tensor]).
 """
 from __future__ import annotations
 
+import datetime
 import time
 import weakref
-from typing import Dict, List
+from typing import Dict, List, Optional, Union
 
 import torch
 
+from .. import _ext
 from ..errors import CommTimeoutError
-from .backends.base import wait_timeout_seconds
 
 _outputs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _side_streams: Dict[int, "torch.cuda.Stream"] = {}
@@ -74,6 +75,19 @@ def _flatten(value):
             yield v
 
 
+def wait_timeout_seconds(timeout: Union[None, float, datetime.timedelta]) -> Optional[float]:
+    """Work.wait's `timeout` in seconds, or None for "no timeout of the call's own" (the group's
+    bound applies): torch passes a timedelta, whose default timedelta(0) means none; pynccl 0.1
+    documented seconds (a number), still taken."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+        raise ValueError(f"Work.wait: timeout must be a datetime.timedelta (as torch's) or a number of seconds "
+                         f">= 0, got {timeout!r}")
+    return None if seconds == 0 else float(seconds)
+
+
 def _timed_wait(cpp_wait):
     """Work.wait with torch's `timeout` around the C++ wait (which orders the current stream)."""
     def wait(work, timeout=None) -> bool:
@@ -101,7 +115,6 @@ def _host_wait(work, seconds: float) -> None:
 def install() -> None:
     """Give pynccl._C.Work torch's get_future() and wait(timeout) (the C++ class is not ours to
     extend in csrc)."""
-    from .. import _ext
     if _ext._C is None or hasattr(_ext._C.Work, "get_future"):
         return
     _ext._C.Work.get_future = cuda_work_future

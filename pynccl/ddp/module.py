@@ -239,6 +239,13 @@ class DistributedDataParallel(nn.Module):
         self.reducer.overlap = OptimizerOverlap(self.reducer, optimizer)
         return optimizer
 
+    def prepare_gradient_sync(self, outputs) -> None:
+        """Arm the next backward, from `outputs`, to reduce, as a forward outside no_sync() would
+        have: for a caller whose forwards all ran in no_sync() (pipeline/stage.py's data-parallel
+        protocol: micro-batches accumulate locally and the step's last backward reduces)."""
+        self.reducer.prepare_for_forward()
+        self.reducer.prepare_for_backward(outputs)
+
     def register_comm_hook(self, state, hook) -> None:
         """hook(state, GradBucket) -> object whose wait() returns the reduced flat gradient;
         torch's semantics: the bucket is not divided by world size, the hook averages (torch's own

@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .stage import _as_tuple
+from .p2p import as_tensor_tuple
 
 
 def _signature(args: Sequence, module: nn.Module) -> tuple:
@@ -106,7 +106,7 @@ class _Slot:
             leaves = list(aliases.values())
 
             def run():
-                return _as_tuple(torch.func.functional_call(module, aliases, tuple(self.static_args)))
+                return as_tensor_tuple(torch.func.functional_call(module, aliases, tuple(self.static_args)))
             self.tensor_idx = [i for i, a in enumerate(self.static_args) if isinstance(a, torch.Tensor)]
             grad_inputs = [self.static_args[i] for i in self.tensor_idx if self.static_args[i].requires_grad]
             targets = grad_inputs + leaves

@@ -30,6 +30,16 @@ class TensorMeta(NamedTuple):
 
 
 
+def as_tensor_tuple(out) -> tuple:
+    """A stage module's output as the tuple of tensors a stage sends on."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
+        return tuple(out)
+    raise TypeError(f"pipeline stage: the module must return a tensor or a tuple of tensors, "
+                    f"got {type(out).__name__}")
+
+
 def tensor_meta(tensors: Sequence[torch.Tensor]) -> List[TensorMeta]:
     return [TensorMeta(tuple(t.shape), t.dtype) for t in tensors]
 

@@ -16,37 +16,34 @@ from torch import nn
 
 from ..comm import distributed as dist
 from ..comm.groups import resolve_group
-from .p2p import TensorMeta, tensor_meta
+from .graphs import StageGraphs
+from .p2p import TensorMeta, as_tensor_tuple, tensor_meta
 
 
 def _carries_grad(t: torch.Tensor) -> bool:
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
+# The data-parallel protocol (duck-typed, so the pipeline imports no wrapper; see PipelineStage):
+#   no_sync()                       a context whose backwards accumulate gradients locally;
+#   prepare_gradient_sync(outputs)  optional, for wrappers that decide in forward whether the next
+#                                   backward reduces (pynccl DDP): arm the reduction of `outputs`.
+def _is_data_parallel(module: nn.Module) -> bool:
+    return callable(getattr(module, "no_sync", None))
+
+
 def _no_sync(module):
-    no_sync = getattr(module, "no_sync", None)
-    return no_sync() if callable(no_sync) else contextlib.nullcontext()
+    return module.no_sync() if _is_data_parallel(module) else contextlib.nullcontext()
 
 
-def _check_dp_wrapper(module: nn.Module) -> bool:
-    """True for pynccl DDP. Other modules with no_sync() must decide at backward time whether to
-    reduce; torch DDP decides in forward and needs torch process groups, so it is refused."""
+def _check_dp_wrapper(module: nn.Module):
+    """The wrapper's prepare_gradient_sync, or None. torch's DDP decides in forward too, but arms
+    itself only through its private reducer and needs torch process groups: refused."""
     if isinstance(module, nn.parallel.DistributedDataParallel):
         raise TypeError("PipelineStage: wrap the stage in pynccl.DistributedDataParallel (over a pynccl dp "
                         "group), not torch.nn.parallel.DistributedDataParallel")
-    if not callable(getattr(module, "no_sync", None)):
-        return False
-    from ..ddp import DistributedDataParallel
-    return isinstance(module, DistributedDataParallel)
-
-
-def _as_tuple(out) -> tuple:
-    if isinstance(out, torch.Tensor):
-        return (out,)
-    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
-        return tuple(out)
-    raise TypeError(f"pipeline stage: the module must return a tensor or a tuple of tensors, "
-                    f"got {type(out).__name__}")
+    prepare = getattr(module, "prepare_gradient_sync", None)
+    return prepare if _is_data_parallel(module) and callable(prepare) else None
 
 
 class PipelineStage:
@@ -58,9 +55,15 @@ class PipelineStage:
     micro-batch (graphs.py says what a capture fixes, and what it costs in memory: one captured
     pair per micro-batch in flight). CUDA only, not with a data-parallel wrapper.
 
-    Data parallelism: wrap the stage's module in pynccl.DistributedDataParallel over the dp group.
+    Data parallelism: wrap the stage's module in a data-parallel wrapper over the dp group (pynccl's
+    DistributedDataParallel, or any module with the protocol below; the stage imports none).
     Micro-batches then accumulate locally (every forward, and every backward but the stage's last
-    of the step, run in no_sync()) and the last backward reduces, once per step.
+    of the step, run in the wrapper's no_sync()) and the last backward reduces, once per step.
+    The protocol: `no_sync()`, a context in whose backwards gradients accumulate locally; and, for
+    a wrapper that decides in forward whether the next backward reduces (pynccl DDP, as torch's),
+    `prepare_gradient_sync(outputs)`, which the stage calls before the step's last backward to arm
+    the reduction of the gradients flowing from `outputs`, as a forward outside no_sync would have.
+    A wrapper without it must decide at backward time (a gradient hook reading its no_sync flag).
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device=None, group=None,
@@ -83,7 +86,7 @@ class PipelineStage:
                              f"(stage k runs on rank k % {pp_size}), but this process is pp rank "
                              f"{pp_group.group_rank} of group {pp_group.ranks}")
         self.submodule = submodule
-        self._is_pynccl_ddp = _check_dp_wrapper(submodule)
+        self._prepare_gradient_sync = _check_dp_wrapper(submodule)
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group = pp_group
@@ -108,18 +111,14 @@ class PipelineStage:
             raise TypeError(f"PipelineStage: cuda_graph must be a bool, got {type(cuda_graph).__name__}")
         if not cuda_graph:
             return None
-        from ..ddp import DistributedDataParallel
-        from ..zero import FullyShardedDataParallel
-        wrappers = (DistributedDataParallel, FullyShardedDataParallel)
-        wrapped = [name or "the stage module" for name, m in self.submodule.named_modules() if isinstance(m, wrappers)]
+        wrapped = [name or "the stage module" for name, m in self.submodule.named_modules() if _is_data_parallel(m)]
         if wrapped:
             raise TypeError(f"PipelineStage: cuda_graph=True takes the stage's own layers, but {wrapped[0]} is a "
-                            f"pynccl data-parallel wrapper (DDP / ZeRO), whose forward gathers, frees or hooks "
-                            f"on the host in ways a graph cannot replay")
+                            f"data-parallel wrapper (it has no_sync(): DDP, ZeRO), whose forward gathers, frees or "
+                            f"hooks on the host in ways a graph cannot replay")
         if self.device.type != "cuda":
             raise ValueError(f"PipelineStage: cuda_graph=True needs a CUDA device, but the stage computes on "
                              f"{self.device}")
-        from .graphs import StageGraphs
         return StageGraphs(self.submodule, self.device)
 
     def __repr__(self):
@@ -143,7 +142,7 @@ class PipelineStage:
             out = self.graphs(mb, args)
         else:
             with _no_sync(self.submodule):
-                out = _as_tuple(self.submodule(*args))
+                out = as_tensor_tuple(self.submodule(*args))
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
         self._fwd_cache[mb] = (inputs, out)
         if self.is_last:
@@ -204,12 +203,11 @@ class PipelineStage:
             float_out = [t for t in out if _carries_grad(t)]
             pairs = [(t, g) for t, g in zip(float_out, output_grads) if t.requires_grad]
             tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
-        if sync_grads and self._is_pynccl_ddp:
-            # DDP decides in forward whether the next backward reduces (as torch's); all forwards
-            # ran in no_sync, so arm it here as a synced forward would (torch.distributed.pipelining
-            # does the same with torch DDP).
-            self.submodule.reducer.prepare_for_forward()
-            self.submodule.reducer.prepare_for_backward(tensors)
+        if sync_grads and self._prepare_gradient_sync is not None:
+            # The wrapper decides in forward whether the next backward reduces; all forwards ran in
+            # no_sync, so arm it here as a synced forward would (torch.distributed.pipelining does
+            # the same with torch DDP's reducer).
+            self._prepare_gradient_sync(tensors)
         if tensors:
             with contextlib.nullcontext() if sync_grads else _no_sync(self.submodule):
                 torch.autograd.backward(tensors, grad_tensors=grads)

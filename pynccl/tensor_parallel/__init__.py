@@ -1,15 +1,21 @@
 """Tensor parallelism with optional sequence parallelism, Megatron-style (arXiv:1909.08053,
-arXiv:2205.05198): sharded layers, the autograd communication ops they are made of,
-vocabulary-parallel cross-entropy, the RNG tracker for dropout, and a GPT-2-style block.
-Also by plan on an unmodified model (plan.py, styles.py, loss_parallel.py, plans.py:
-parallelize_module with ColwiseParallel, RowwiseParallel, SequenceParallel, ... as
-torch.distributed.tensor.parallel, Hugging Face [b, s, h] layout) and a full state dict back
-from it (state_dict.py), or sharded as DTensors for torch.distributed.checkpoint (dcp.py).
+arXiv:2205.05198). One set of building blocks: the autograd communication ops (comm.py), how a
+parameter is cut (sharding.py) and the forward of a sharded layer (sharded_ops.py), each taking
+the activation layout (where the sequence is) as an argument. Two ways to use them:
+* modules written tensor-parallel: the sharded layers (layers.py, Megatron's [s, b, h] by
+  default), a GPT-2-style block (transformer.py), vocabulary-parallel cross-entropy, the RNG
+  tracker for dropout;
+* by plan on an unmodified model (plan.py, styles.py, loss_parallel.py, plans.py:
+  parallelize_module with ColwiseParallel, RowwiseParallel, SequenceParallel, ... as
+  torch.distributed.tensor.parallel, Hugging Face's [b, s, h]), and a full state dict back from
+  it (state_dict.py), or sharded as DTensors for torch.distributed.checkpoint (dcp.py).
 
 Conventions
-* Layout [s, b, h], sequence first (as Megatron): sequence parallelism splits dim 0, so each
-  rank's shard is one contiguous slab and the all-gather / reduce-scatter need no transposes.
-  The unsharded reference modules (pynccl.testing.reference_models) use the same layout.
+* Layout: the layers default to [s, b, h], sequence first (as Megatron): sequence parallelism
+  splits dim 0, so each rank's shard is one contiguous slab and the all-gather / reduce-scatter
+  need no transposes (`sequence_dim=1` for [b, s, h], which costs a copy each way). The GPT
+  block and the unsharded reference modules (pynccl.testing.reference_models) are [s, b, h]; the
+  plan's styles take the sequence dim from their layouts (Shard(1) for Hugging Face's [b, s, h]).
 * `group` is the TP ProcessGroup (pynccl.new_group / ParallelMesh), None for the default group.
   At TP size 1 no collective runs and the layers do what the unsharded ones do.
 * Sizes: out_features (column), in_features (row), ffn_hidden_size and num_heads must divide by
@@ -38,10 +44,12 @@ from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, 
 from .._lazy import lazy_exports
 from . import plans
 from .cross_entropy import vocab_parallel_cross_entropy
-from .layers import (ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, VocabParallelEmbedding,
-                     column_parallel_linear, shard_like, shard_tensor)
+from .layers import ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, VocabParallelEmbedding
+from .sharded_ops import column_parallel_linear, row_parallel_linear, vocab_parallel_embedding
+from .sharding import shard_like, shard_tensor
 from .loss_parallel import LossParallel, vocab_parallel_causal_lm_loss
-from .plan import ParallelStyle, Replicate, Shard, parallelize_module, shard_specs
+from .parallelize import parallelize_module
+from .plan import ParallelStyle, Replicate, Shard, shard_specs
 from .styles import (ColwiseParallel, LocalHeads, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
                      SequenceParallel)
 from .random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_cuda_rng_tracker, get_rng_tracker,
@@ -58,7 +66,8 @@ __getattr__, __dir__ = lazy_exports(__name__, "dcp", _DCP_NAMES, globals())
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLayerNorm",
     "ParallelMLP", "ParallelCausalSelfAttention", "ParallelTransformerBlock",
-    "vocab_parallel_cross_entropy", "column_parallel_linear", "shard_tensor", "shard_like",
+    "vocab_parallel_cross_entropy", "column_parallel_linear", "row_parallel_linear", "vocab_parallel_embedding",
+    "shard_tensor", "shard_like",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",

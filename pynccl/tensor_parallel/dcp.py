@@ -11,7 +11,7 @@ unsharded model's state dict.
 
 A fused parameter (num_fused > 1: GPT-2's [q | k | v]) holds [q_r | k_r | v_r] on rank r, which
 is not one contiguous chunk of the whole tensor: its rows move to torch.chunk's layout with one
-all_to_all (zero/row_exchange.py) on the way out, and back on the way in. Padded vocabularies
+all_to_all (comm/row_exchange.py) on the way out, and back on the way in. Padded vocabularies
 (VocabParallelEmbedding) are saved padded: they load only at a TP size with the same padding.
 The model must not be inside ZeRO (its parameters are then ZeRO's row shards): 2-D ZeRO × TP
 checkpoints are not supported here; DDP around the TP model is.
@@ -27,16 +27,15 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..comm import distributed as dist
 from ..comm.groups import resolve_group
-from ..zero.row_exchange import chunk_rows, exchange_rows
-from ..zero.sharded_state import device_mesh, same_ranks, to_dtensor, whole_of
-from .layers import shard_tensor
+from ..comm.dtensor_state import device_mesh, same_ranks, to_dtensor, whole_of
+from ..comm.row_exchange import chunk_rows, exchange_rows
+from .sharding import shard_tensor
 
 
 def _tp_module(model: nn.Module, fn: str) -> nn.Module:
-    from ..zero.fsdp import FullyShardedDataParallel
     inner = model
     while True:
-        if isinstance(inner, FullyShardedDataParallel):
+        if getattr(inner, "_pynccl_zero_model", False):      # pynccl.FullyShardedDataParallel (zero/fsdp.py)
             raise TypeError(f"{fn}: the tensor-parallel model is inside pynccl.FullyShardedDataParallel; sharded "
                             f"checkpoints of ZeRO × TP are not supported (use tp.unsharded_state_dict for a full one)")
         child = getattr(inner, "module", None)

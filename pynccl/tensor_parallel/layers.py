@@ -1,10 +1,12 @@
-"""Sharded nn.Linear, nn.Embedding and a TP-aware LayerNorm (Megatron, arXiv:1909.08053 §3).
+"""Sharded nn.Linear, nn.Embedding and a TP-aware LayerNorm as modules of their own (Megatron,
+arXiv:1909.08053 §3), for models written tensor-parallel. They are thin: the shards come from
+sharding.py and the forward from sharded_ops.py, the same code the plan's styles (styles.py) apply
+to an unmodified model's own layers. Layout: [s, b, h] by default (Megatron: sequence first, so a
+sequence shard is one contiguous slab); `sequence_dim=1` takes Hugging Face's [b, s, h].
 
-Each layer can be built two ways that give the same weights: from its sizes (initialised as the
-unsharded torch layer would be under the same RNG state, then sliced, so a model starts the same
-at every TP size), or from an existing torch layer (`from_linear`, ...), taking its slice.
-Sharded parameters carry `tp_shard_dim` and `tp_num_chunks` (see shard_tensor); parameters
-without them are replicated across the TP group (count them once when, e.g., clipping norms).
+Each layer can be built two ways that give the same weights: from its sizes (the unsharded torch
+layer is built, as it would be under the same RNG state, then cut, so a model starts the same at
+every TP size), or from an existing torch layer (`from_linear`, ...), taking its slice.
 """
 from __future__ import annotations
 
@@ -15,62 +17,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import distributed as dist
-from .comm import (allreduce_grads_in_backward, gather_from_tensor_parallel_region, linear_with_tensor_parallel_input,
-                   reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
-                   scatter_to_tensor_parallel_region)
-
-
-def check_divisible(layer: str, name: str, value: int, tp_size: int, num_chunks: int = 1) -> None:
-    """ValueError naming the dimension and the TP size when `value` does not split evenly."""
-    if value % (num_chunks * tp_size):
-        by = f"{num_chunks} fused blocks × " if num_chunks > 1 else ""
-        raise ValueError(f"{layer}: {name} ({value}) is not divisible by {by}the tensor-parallel size ({tp_size})")
-
-
-def shard_tensor(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int, num_chunks: int = 1) -> torch.Tensor:
-    """Rank `tp_rank`'s slice of `full` along `dim`. With num_chunks > 1 (a fused QKV weight), `dim`
-    holds num_chunks equal blocks, each split across ranks, and the rank's slices are concatenated:
-    [q | k | v] -> [q_r | k_r | v_r]."""
-    blocks = full.chunk(num_chunks, dim) if num_chunks > 1 else (full,)
-    return torch.cat([b.chunk(tp_size, dim)[tp_rank] for b in blocks], dim)
-
-
-def shard_like(param: torch.Tensor, full: torch.Tensor, group=None) -> torch.Tensor:
-    """This rank's slice of `full` (an unsharded weight, its grad, an optimizer state), cut as
-    `param` was cut; `full` itself for a replicated param. A full dim shorter than the sharded one
-    (a padded vocabulary) is zero-padded first."""
-    dim = getattr(param, "tp_shard_dim", None)
-    if dim is None:
-        return full
-    tp_size = dist.get_world_size(group)
-    missing = param.shape[dim] * tp_size - full.shape[dim]
-    if missing > 0:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = missing
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim)
-    return shard_tensor(full, dim, dist.get_rank(group), tp_size, param.tp_num_chunks)
-
-
-def _sharded_param(full: torch.Tensor, dim: int, group, num_chunks: int = 1) -> nn.Parameter:
-    shard = shard_tensor(full.detach(), dim, dist.get_rank(group), dist.get_world_size(group), num_chunks)
-    # clone: a view would keep the whole unsharded tensor alive.
-    param = nn.Parameter(shard.clone(memory_format=torch.contiguous_format))
-    param.tp_shard_dim = dim
-    param.tp_num_chunks = num_chunks
-    return param
+from .comm import allreduce_grads_in_backward
+from .sharded_ops import column_parallel_linear, row_parallel_linear, vocab_parallel_embedding
+from .sharding import check_divisible, column_shards, row_shards, shard_parameter
 
 
 def _replicated_param(full: Optional[torch.Tensor]) -> Optional[nn.Parameter]:
     return None if full is None else nn.Parameter(full.detach().clone())
-
-
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, group=None,
-                           sequence_parallel: bool = False, gather_output: bool = False) -> torch.Tensor:
-    """Y_r = X W_r^T + b_r, W_r this rank's rows of W. X is replicated, or with sequence
-    parallelism this rank's sequence shard, gathered here. Also the tied LM head: W = the
-    VocabParallelEmbedding's weight gives this rank's vocabulary slice of the logits."""
-    y = linear_with_tensor_parallel_input(x, weight, bias, group, sequence_parallel)  # -> (s, b, out/tp)
-    return gather_from_tensor_parallel_region(y, group) if gather_output else y  # -> (s, b, out)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -80,7 +33,8 @@ class ColumnParallelLinear(nn.Module):
     num_fused > 1 splits each of num_fused equal output blocks separately (a fused QKV)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group=None, sequence_parallel: bool = False, num_fused: int = 1, device=None, dtype=None):
+                 group=None, sequence_parallel: bool = False, num_fused: int = 1, device=None, dtype=None, *,
+                 sequence_dim: int = 0):
         super().__init__()
         self.tp_size = dist.get_world_size(group)
         check_divisible(type(self).__name__, "out_features", out_features, self.tp_size, num_fused)
@@ -92,24 +46,26 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
         self.num_fused = num_fused
         self._load_full(nn.Linear(in_features, out_features, bias, device=device, dtype=dtype))
 
     def _load_full(self, linear: nn.Linear) -> None:
-        self.weight = _sharded_param(linear.weight, 0, self.group, self.num_fused)  # (out/tp, in)
-        self.bias = None if linear.bias is None else _sharded_param(linear.bias, 0, self.group, self.num_fused)
+        shards = column_shards(linear, self.group, self.num_fused)
+        self.weight = shards["weight"]  # (out/tp, in)
+        self.bias = shards.get("bias")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, gather_output: bool = False, sequence_parallel: bool = False,
-                    num_fused: int = 1) -> "ColumnParallelLinear":
+                    num_fused: int = 1, *, sequence_dim: int = 0) -> "ColumnParallelLinear":
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group,
-                    sequence_parallel, num_fused, device="meta", dtype=linear.weight.dtype)
+                    sequence_parallel, num_fused, device="meta", dtype=linear.weight.dtype, sequence_dim=sequence_dim)
         layer._load_full(linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel,
-                                      self.gather_output)
+                                      self.gather_output, self.sequence_dim)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp_size}), "
@@ -124,7 +80,7 @@ class RowParallelLinear(nn.Module):
     Input (s, b, in/tp), or (s, b, in) with input_is_parallel=False (sliced here)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 group=None, sequence_parallel: bool = False, device=None, dtype=None):
+                 group=None, sequence_parallel: bool = False, device=None, dtype=None, *, sequence_dim: int = 0):
         super().__init__()
         self.tp_size = dist.get_world_size(group)
         check_divisible(type(self).__name__, "in_features", in_features, self.tp_size)
@@ -133,34 +89,25 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
         self._load_full(nn.Linear(in_features, out_features, bias, device=device, dtype=dtype))
 
     def _load_full(self, linear: nn.Linear) -> None:
-        self.weight = _sharded_param(linear.weight, 1, self.group)  # (out, in/tp)
+        self.weight = row_shards(linear, self.group)["weight"]  # (out, in/tp)
         self.bias = _replicated_param(linear.bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, input_is_parallel: bool = True,
-                    sequence_parallel: bool = False) -> "RowParallelLinear":
+                    sequence_parallel: bool = False, *, sequence_dim: int = 0) -> "RowParallelLinear":
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group,
-                    sequence_parallel, device="meta", dtype=linear.weight.dtype)
+                    sequence_parallel, device="meta", dtype=linear.weight.dtype, sequence_dim=sequence_dim)
         layer._load_full(linear)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)  # nothing to reduce: keep the fused bias epilogue
-        if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel_region(x, self.group)  # (s, b, in) -> (s, b, in/tp)
-        y = F.linear(x, self.weight)  # (s, b, in/tp) @ (in/tp, out) -> (s, b, out), a partial sum
-        bias = self.bias
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.group)  # -> (s/tp, b, out)
-            # The bias now meets only this rank's tokens: its grad is a partial sum.
-            bias, = allreduce_grads_in_backward((bias,), self.group)
-        else:
-            y = reduce_from_tensor_parallel_region(y, self.group, inplace=True)
-        return y if bias is None else y + bias
+        # (s, b, in/tp) -> (s, b, out), or this rank's (s/tp, b, out) with sequence parallelism
+        return row_parallel_linear(x, self.weight, self.bias, self.group, self.input_is_parallel,
+                                   self.sequence_parallel, self.sequence_dim)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (/{self.tp_size}), out_features={self.out_features}, "
@@ -179,7 +126,7 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group=None, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, sequence_dim: int = 0):
         super().__init__()
         tp_rank, self.tp_size = dist.get_rank(group), dist.get_world_size(group)
         self.num_embeddings = num_embeddings
@@ -190,41 +137,38 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
         self._load_full(nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype))
 
     def _load_full(self, embedding: nn.Embedding) -> None:
-        full = embedding.weight.detach()
+        full = embedding.weight
         pad = full.new_zeros(self.num_embeddings_padded - self.num_embeddings, self.embedding_dim)
-        self.weight = _sharded_param(torch.cat([full, pad]), 0, self.group)  # (V_padded/tp, h)
+        # the vocabulary rows, as RowwiseParallel cuts an nn.Embedding (sharding.row_shards)
+        self.weight = shard_parameter(torch.cat([full.detach(), pad]), 0, self.group,
+                                      requires_grad=full.requires_grad)  # (V_padded/tp, h)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group=None, sequence_parallel: bool = False
-                       ) -> "VocabParallelEmbedding":
+    def from_embedding(cls, embedding: nn.Embedding, group=None, sequence_parallel: bool = False, *,
+                       sequence_dim: int = 0) -> "VocabParallelEmbedding":
         if embedding.padding_idx is not None or embedding.max_norm is not None:
             raise ValueError("VocabParallelEmbedding.from_embedding: padding_idx and max_norm are not supported, "
                              f"got padding_idx={embedding.padding_idx}, max_norm={embedding.max_norm}")
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, sequence_parallel,
-                    device="meta", dtype=embedding.weight.dtype)
+                    device="meta", dtype=embedding.weight.dtype, sequence_dim=sequence_dim)
         layer._load_full(embedding)
         return layer
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            y = F.embedding(tokens, self.weight)
-        else:
-            outside = (tokens < self.vocab_start_index) | (tokens >= self.vocab_end_index)
-            local = (tokens - self.vocab_start_index).masked_fill(outside, 0)
-            # (s, b) -> (s, b, h): rows of this rank's tokens, zeros elsewhere; the sum over ranks is the lookup.
-            y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(y, self.group)  # -> (s/tp, b, h)
-        return reduce_from_tensor_parallel_region(y, self.group, inplace=True)
+        # (s, b) -> (s, b, h), or this rank's (s/tp, b, h) with sequence parallelism
+        return vocab_parallel_embedding(tokens, self.weight, self.vocab_start_index, self.group, None,
+                                        self.sequence_parallel, self.sequence_dim)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head: (s, b, h) (or (s/tp, b, h) with sequence_parallel) -> this rank's
         vocabulary slice of the logits (s, b, V_padded/tp), for vocab_parallel_cross_entropy
         with vocab_size=self.num_embeddings (which masks the padding)."""
-        return column_parallel_linear(hidden, self.weight, None, self.group, self.sequence_parallel)
+        return column_parallel_linear(hidden, self.weight, None, self.group, self.sequence_parallel,
+                                      seq_dim=self.sequence_dim)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (padded {self.num_embeddings_padded}, /{self.tp_size}), "

@@ -3,11 +3,11 @@ torch.distributed.tensor.parallel on plain tensors and pynccl groups, with no DT
 
     model = parallelize_module(model, tp_group, {"model.layers.*.self_attn.q_proj": ColwiseParallel(), ...})
 
-This file holds the machinery: layouts, the ParallelStyle interface, parameter sharding and
-parallelize_module; styles.py the styles, loss_parallel.py the loss, plans.py ready plans.
-Each style shards the matched module's parameters in place (same names, same module classes, so
-the model's own forward, DDP, ZeRO and state_dict keep working) and routes its input and output
-through the autograd ops of comm.py. Layouts say where a tensor is split: Shard(1) is the
+This file holds the machinery: layouts and the ParallelStyle interface; parallelize.py the entry
+point, parallelize_module; styles.py the styles, loss_parallel.py the loss, plans.py ready plans. Each style shards the
+matched module's parameters in place (same names, same module classes, so the model's own forward,
+DDP, ZeRO and state_dict keep working) with the sharding code the Megatron-layout layers are built
+with (sharding.py), and replaces its forward by the same functions as theirs (sharded_ops.py). Layouts say where a tensor is split: Shard(1) is the
 sequence of Hugging Face's [b, s, h] (sequence parallelism), Shard(-1) the features, Replicate()
 the whole tensor on every rank. torch's Shard / Replicate placements, torch's ParallelStyle
 objects (torch_styles.py maps them field by field) and a 1-D torch DeviceMesh for the group are
@@ -15,19 +15,11 @@ accepted too, so a torch plan runs as written.
 """
 from __future__ import annotations
 
-import fnmatch
 import types
-import warnings
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
 
-import torch
 import torch.nn as nn
 
-from ..comm import distributed as dist
-from ..comm.coalesced import coalesced_broadcaster
-from ..comm.groups import resolve_group
-from .layers import shard_tensor
-from .torch_styles import from_torch_style, is_torch_style
 
 GRAD_REDUCED_BY = "_pynccl_tp_grad_reduced_by"  # tensor attribute set by PrepareModuleInput
 STYLE_ATTR = "_pynccl_tp_style"                  # module attribute: the style(s) applied to it
@@ -74,11 +66,6 @@ def layout_of(value, what: str, allow_none: bool = False):
     raise ValueError(f"{what}: expected Shard(dim) or Replicate(), got {value!r}")
 
 
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's Conv1D (GPT-2): a linear layer storing its weight transposed, (in, out)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
-
-
 def is_sequence_dim(layout, ndim: int) -> bool:
     return layout.is_shard() and layout.dim % ndim != ndim - 1
 
@@ -94,30 +81,10 @@ class ParallelStyle:
         raise NotImplementedError
 
 
-def require_divisible(name: str, what: str, value: int, tp_size: int, num_chunks: int = 1, hint: str = "") -> None:
-    if value % (tp_size * num_chunks):
-        by = f"{num_chunks} fused blocks × " if num_chunks > 1 else ""
-        raise ValueError(f"{name or 'the root module'}: {what}={value} is not divisible by {by}tp={tp_size}{hint}")
-
-
-def shard_param(module: nn.Module, attr: str, dim: int, group, sharded: Dict[int, nn.Parameter],
-                num_chunks: int = 1) -> None:
-    """Replace module.<attr> by this rank's slice (a new Parameter, same name). A parameter
-    shared with a module already sharded (tied embedding and LM head) gets that same slice."""
-    full = module._parameters[attr]
-    if id(full) in sharded:
-        param = sharded[id(full)]
-        if (param.tp_shard_dim, param.tp_num_chunks) != (dim, num_chunks):
-            raise ValueError(f"{type(module).__name__}.{attr}: this tied parameter is sharded on dim "
-                             f"{param.tp_shard_dim} by another style, but this style needs dim {dim}")
-    elif getattr(full, "tp_shard_dim", None) is not None:
-        raise ValueError(f"{type(module).__name__}.{attr} is already tensor-parallel (parallelized twice?)")
-    else:
-        shard = shard_tensor(full.detach(), dim, dist.get_rank(group), dist.get_world_size(group), num_chunks)
-        param = nn.Parameter(shard.clone(memory_format=torch.contiguous_format), requires_grad=full.requires_grad)
-        param.tp_shard_dim, param.tp_num_chunks = dim, num_chunks
-        sharded[id(full)] = param
-    module._parameters[attr] = param
+def install_shards(module: nn.Module, shards: Dict[str, nn.Parameter]) -> None:
+    """Put each shard in place of the module's parameter of that name (same names, same module class)."""
+    for attr, param in shards.items():
+        module._parameters[attr] = param
 
 
 def set_forward(module: nn.Module, style, forward) -> None:
@@ -134,76 +101,6 @@ def grad_reduced_upstream(x, group) -> bool:
 
 
 Plan = Mapping[str, Union[ParallelStyle, Sequence[ParallelStyle]]]
-
-
-def _matches(pattern: str, name: str) -> bool:
-    """Glob per dotted atom, as torch's parallelize_module: 'layers.*.mlp' matches 'layers.3.mlp'
-    but not 'layers.3.block.mlp'. The empty pattern is the root module."""
-    if pattern == "" or name == "":
-        return pattern == name
-    atoms, parts = pattern.split("."), name.split(".")
-    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts))
-
-
-def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan: Union[Plan, ParallelStyle, None] = None,
-                       *, src_data_rank: Optional[int] = 0) -> nn.Module:
-    """torch's parallelize_module on plain tensors: apply `parallelize_plan` ({glob pattern of
-    submodule names: style or tuple of styles}, or one style for `module` itself; pynccl's styles
-    or torch's) over the TP group `device_mesh`: a pynccl ProcessGroup, a torch ProcessGroup or a
-    1-D torch DeviceMesh (None: the default group). Collective in effect: every rank of the group
-    must apply the same plan. src_data_rank (as torch's): the group rank whose weights every rank
-    shards (they are broadcast from it first); None: each rank shards its own. Modifies `module`
-    in place and returns it. Raises ValueError, before changing anything, for a size that does not
-    divide. Patterns matching no module are reported with a warning (a pipeline stage may lack some)."""
-    plan = {} if parallelize_plan is None else parallelize_plan
-    if isinstance(plan, ParallelStyle) or is_torch_style(plan):
-        plan = {"": plan}
-    if getattr(module, SHARD_SPECS_ATTR, None) is not None:
-        raise ValueError(f"parallelize_module: {type(module).__name__} is already tensor-parallel")
-    # styles compare groups by identity: the resolved pynccl group
-    tp_group = dist.get_default_group() if device_mesh is None else resolve_group(device_mesh)
-    tp_size = dist.get_world_size(tp_group)
-    named = list(module.named_modules())
-    work = []
-    for pattern, styles in plan.items():
-        styles = tuple(styles) if isinstance(styles, (tuple, list)) else (styles,)
-        styles = tuple(mapped for style in styles
-                       for mapped in (from_torch_style(style, pattern) if is_torch_style(style) else (style,)))
-        for style in styles:
-            if not isinstance(style, ParallelStyle):
-                raise TypeError(f"parallelize_module: plan[{pattern!r}] must be a ParallelStyle, got {style!r}")
-        hits = [(name, mod) for name, mod in named if _matches(pattern, name)]
-        if not hits:
-            warnings.warn(f"parallelize_module: plan key {pattern!r} matches no submodule of {type(module).__name__}")
-        work += [(name, mod, style) for name, mod in hits for style in styles]
-    for name, mod, style in work:
-        style.check(mod, name, tp_size)
-    if tp_size > 1 and src_data_rank is not None:
-        _broadcast_weights([mod for _, mod, _ in work], tp_group, src_data_rank)
-    sharded: Dict[int, nn.Parameter] = {}
-    for name, mod, style in sorted(work, key=lambda w: w[0] == ""):  # root styles (the loss) last
-        if tp_size > 1:  # at TP 1 every style is the identity
-            style.apply(mod, name, tp_group, sharded)
-    specs = {name: (p.tp_shard_dim, p.tp_num_chunks) for name, p in module.named_parameters(remove_duplicate=False)
-             if getattr(p, "tp_shard_dim", None) is not None}
-    setattr(module, SHARD_SPECS_ATTR, specs)
-    return module
-
-
-def _broadcast_weights(modules, group, src_data_rank: int) -> None:
-    """Every rank's weights of the planned modules become group rank `src_data_rank`'s, as torch's
-    distribute_tensor(src_data_rank=...) makes them (one coalesced broadcast per dtype)."""
-    if not isinstance(src_data_rank, int) or not 0 <= src_data_rank < group.world_size:
-        raise ValueError(f"parallelize_module: src_data_rank must be a rank of the TP group (0..{group.world_size - 1}) "
-                         f"or None, got {src_data_rank!r}")
-    params = list({id(p): p for mod in modules for p in mod.parameters()}.values())
-    device = group.backend.device
-    on_device = [p.detach().to(device) for p in params]   # the parameter itself where it is on `device`
-    with torch.no_grad():
-        coalesced_broadcaster(on_device)(group.backend, src_data_rank)
-        for p, t in zip(params, on_device):
-            if p.device != device:
-                p.copy_(t)
 
 
 def shard_specs(module: nn.Module) -> Dict[str, Tuple[int, int]]:

@@ -1,6 +1,7 @@
 """The parallel styles of parallelize_module (plan.py), as torch.distributed.tensor.parallel's:
-ColwiseParallel / RowwiseParallel shard nn.Linear, nn.Embedding and Hugging Face's Conv1D and
-replace their forward by the Megatron compositions of comm.py; SequenceParallel runs a module
+ColwiseParallel / RowwiseParallel shard nn.Linear, nn.Embedding and Hugging Face's Conv1D with
+the Megatron-layout layers' own sharding (sharding.py) and replace their forward by the same
+functions as those layers (sharded_ops.py), the layouts mapped onto their arguments; SequenceParallel runs a module
 with replicated parameters on a sequence shard; PrepareModuleInput / PrepareModuleOutput re-lay
 a module's inputs or outputs; LocalHeads makes an attention module's head counts per-rank.
 
@@ -21,11 +22,12 @@ import torch.nn.functional as F
 
 from ..comm import distributed as dist
 from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                   gather_from_tensor_parallel_region, linear_with_tensor_parallel_input,
-                   reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
-                   scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
-from .plan import (GRAD_REDUCED_BY, STYLE_ATTR, ParallelStyle, Replicate, Shard, grad_reduced_upstream, is_conv1d,
-                   is_sequence_dim, layout_of, require_divisible, set_forward, shard_param)
+                   gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region,
+                   scatter_to_tensor_parallel_region)
+from .plan import (GRAD_REDUCED_BY, STYLE_ATTR, ParallelStyle, Replicate, Shard, grad_reduced_upstream,
+                   install_shards, is_sequence_dim, layout_of, set_forward)
+from .sharded_ops import column_parallel_linear, row_parallel_linear, vocab_parallel_embedding
+from .sharding import check_divisible, column_shards, is_conv1d, row_shards
 
 
 class ColwiseParallel(ParallelStyle):
@@ -56,45 +58,36 @@ class ColwiseParallel(ParallelStyle):
 
     def check(self, module, name, tp_size):
         if isinstance(module, nn.Embedding):
-            require_divisible(name, "embedding_dim", module.embedding_dim, tp_size)
+            check_divisible(name, "embedding_dim", module.embedding_dim, tp_size)
         elif isinstance(module, nn.Linear):
-            require_divisible(name, "out_features", module.out_features, tp_size, self.num_fused)
+            check_divisible(name, "out_features", module.out_features, tp_size, self.num_fused)
         elif is_conv1d(module):
-            require_divisible(name, "out_features (nf)", module.nf, tp_size, self.num_fused)
+            check_divisible(name, "out_features (nf)", module.nf, tp_size, self.num_fused)
         else:
             raise ValueError(f"{name}: ColwiseParallel supports nn.Linear, nn.Embedding and Conv1D, "
                              f"got {type(module).__name__}")
 
     def apply(self, module, name, group, sharded):
         conv1d = is_conv1d(module)
-        # Linear (out, in) and Embedding (V, h) split dim 0 / 1 of the weight; Conv1D (in, out) dim 1.
-        shard_param(module, "weight", 1 if conv1d or isinstance(module, nn.Embedding) else 0, group, sharded,
-                    self.num_fused)
-        if getattr(module, "bias", None) is not None:
-            shard_param(module, "bias", 0, group, sharded, self.num_fused)
-        style = self
+        install_shards(module, column_shards(module, group, self.num_fused, sharded))
+        style, gather_output = self, self.output_layout.is_replicate()
 
         def forward(mod, x):
             if isinstance(mod, nn.Embedding):
                 y = F.embedding(x, mod.weight, mod.padding_idx, mod.max_norm, mod.norm_type, mod.scale_grad_by_freq,
                                 mod.sparse)  # (b, s) -> (b, s, h/tp)
-            else:
-                y = style._linear(x, mod.weight.t() if conv1d else mod.weight, mod.bias, group)
-            return gather_from_tensor_parallel_region(y, group) if style.output_layout.is_replicate() else y
+                return gather_from_tensor_parallel_region(y, group) if gather_output else y
+            summed = grad_reduced_upstream(x, group)
+            if summed and not style.input_layout.is_replicate():
+                raise ValueError(f"ColwiseParallel(input_layouts={style.input_layout}): the input was made "
+                                 f"Replicate() by a PrepareModuleInput; declare input_layouts=Replicate()")
+            # (b, s, in), or (b, s/tp, in) with a Shard(seq) input -> (b, s, out/tp), or (b, s, out) gathered
+            return column_parallel_linear(x, mod.weight.t() if conv1d else mod.weight, mod.bias, group,
+                                          sequence_parallel=style.input_layout.is_shard(), gather_output=gather_output,
+                                          seq_dim=style.input_layout.dim if style.input_layout.is_shard() else 0,
+                                          input_grad_summed=summed)
 
         set_forward(module, self, forward)
-
-    def _linear(self, x, weight, bias, group):
-        if grad_reduced_upstream(x, group):
-            if not self.input_layout.is_replicate():
-                raise ValueError(f"ColwiseParallel(input_layouts={self.input_layout}): the input was made "
-                                 f"Replicate() by a PrepareModuleInput; declare input_layouts=Replicate()")
-            return F.linear(x, weight, bias)  # (.., in) @ (in, out/tp): its input grad is summed upstream
-        if self.input_layout.is_replicate():
-            return linear_with_tensor_parallel_input(x, weight, bias, group)
-        # (b, s/tp, in) -> all-gather the sequence -> (b, s, out/tp)
-        return linear_with_tensor_parallel_input(x, weight, bias, group, sequence_parallel=True,
-                                                 seq_dim=self.input_layout.dim)
 
 
 class RowwiseParallel(ParallelStyle):
@@ -114,53 +107,38 @@ class RowwiseParallel(ParallelStyle):
 
     def check(self, module, name, tp_size):
         if isinstance(module, nn.Embedding):
-            require_divisible(name, "num_embeddings", module.num_embeddings, tp_size,
+            check_divisible(name, "num_embeddings", module.num_embeddings, tp_size,
                               hint=" (pad the vocabulary: model.resize_token_embeddings(n, pad_to_multiple_of=tp))")
             if module.max_norm is not None or module.sparse:
                 raise ValueError(f"{name}: RowwiseParallel supports neither max_norm nor sparse embeddings")
         elif isinstance(module, nn.Linear):
-            require_divisible(name, "in_features", module.in_features, tp_size)
+            check_divisible(name, "in_features", module.in_features, tp_size)
         elif is_conv1d(module):
-            require_divisible(name, "in_features (nx)", module.nx, tp_size)
+            check_divisible(name, "in_features (nx)", module.nx, tp_size)
         else:
             raise ValueError(f"{name}: RowwiseParallel supports nn.Linear, nn.Embedding and Conv1D, "
                              f"got {type(module).__name__}")
 
     def apply(self, module, name, group, sharded):
-        embedding, conv1d = isinstance(module, nn.Embedding), is_conv1d(module)
-        # Linear (out, in): dim 1; Conv1D (in, out) and Embedding (V, h): dim 0. The bias stays whole.
-        shard_param(module, "weight", 0 if embedding or conv1d else 1, group, sharded)
-        tp_rank = dist.get_rank(group)
-        style = self
-        if embedding:
-            rows = module.num_embeddings // dist.get_world_size(group)
-            start = tp_rank * rows
-            pad = module.padding_idx
-            local_pad = pad - start if pad is not None and start <= pad < start + rows else None
+        conv1d = is_conv1d(module)
+        install_shards(module, row_shards(module, group, sharded))  # the bias stays whole
+        # The sum over ranks: an all-reduce (Replicate()), or a reduce-scatter to Shard(seq_dim).
+        sequence_parallel = self.output_layout.is_shard()
+        seq_dim = self.output_layout.dim if sequence_parallel else 0
+        if isinstance(module, nn.Embedding):
+            start = dist.get_rank(group) * (module.num_embeddings // dist.get_world_size(group))
 
-            def forward(mod, tokens):
-                outside = (tokens < start) | (tokens >= start + rows)
-                local = (tokens - start).masked_fill(outside, 0)
-                # (b, s) -> (b, s, h): rows of this rank's tokens, zeros elsewhere; the sum over ranks is the lookup.
-                y = F.embedding(local, mod.weight, local_pad).masked_fill(outside.unsqueeze(-1), 0.0)
-                return style._reduce(y, None, group)
+            def forward(mod, tokens):  # (b, s) -> (b, s, h), or (b, s/tp, h)
+                return vocab_parallel_embedding(tokens, mod.weight, start, group, mod.padding_idx, sequence_parallel,
+                                                seq_dim)
         else:
-            def forward(mod, x):
-                if style.input_layout is not None and style.input_layout.is_replicate():
-                    x = scatter_to_tensor_parallel_region(x, group)  # (.., in) -> (.., in/tp)
-                y = F.linear(x, mod.weight.t() if conv1d else mod.weight)  # (.., in/tp) -> (.., out), a partial sum
-                return style._reduce(y, getattr(mod, "bias", None), group)
+            input_is_parallel = self.input_layout is None or not self.input_layout.is_replicate()
+
+            def forward(mod, x):  # (.., in/tp), or (.., in) sliced here -> (.., out), or (b, s/tp, out)
+                return row_parallel_linear(x, mod.weight.t() if conv1d else mod.weight, getattr(mod, "bias", None),
+                                           group, input_is_parallel, sequence_parallel, seq_dim)
 
         set_forward(module, self, forward)
-
-    def _reduce(self, y, bias, group):
-        if self.output_layout.is_replicate():
-            y = reduce_from_tensor_parallel_region(y, group, inplace=True)  # y is fresh: reduce in place
-        else:
-            y = reduce_scatter_to_sequence_parallel_region(y, group, seq_dim=self.output_layout.dim)
-            if bias is not None:  # now meets only this rank's tokens: its grad is a partial sum
-                bias, = allreduce_grads_in_backward((bias,), group)
-        return y if bias is None else y + bias
 
 
 _MISSING = object()
@@ -336,12 +314,12 @@ class LocalHeads(ParallelStyle):
             value = getattr(config, attr, None)
             if not isinstance(value, int):
                 raise ValueError(f"{name}: LocalHeads needs module.config.{attr} (an int), got {value!r}")
-            require_divisible(name, attr, value, tp_size)
+            check_divisible(name, attr, value, tp_size)
         for attr in self.attributes:
             value = getattr(module, attr, None)
             if not isinstance(value, int):
                 raise ValueError(f"{name}: LocalHeads needs an int attribute {attr!r}, got {value!r}")
-            require_divisible(name, attr, value, tp_size)
+            check_divisible(name, attr, value, tp_size)
 
     def apply(self, module, name, group, sharded):
         for attr in self.attributes:

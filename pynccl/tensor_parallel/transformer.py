@@ -18,9 +18,10 @@ import torch
 import torch.nn as nn
 
 from ..comm import distributed as dist
-from .layers import ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear, check_divisible
-from .random import dropout, sharded_rng
 from .functional import causal_attention, check_heads, gelu
+from .layers import ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear
+from .random import dropout, sharded_rng
+from .sharding import check_divisible
 
 
 class ParallelMLP(nn.Module):

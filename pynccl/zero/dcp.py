@@ -38,8 +38,7 @@ Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]
 
 # ---------------------------------------------------------------------- options
 def _check_model(model, fn: str):
-    from .fsdp import FullyShardedDataParallel
-    if not isinstance(model, FullyShardedDataParallel):
+    if not getattr(model, "_pynccl_zero_model", False):       # FullyShardedDataParallel (fsdp.py) sets it
         raise TypeError(f"{fn}: expected a pynccl.FullyShardedDataParallel, got {type(model).__name__}")
 
 

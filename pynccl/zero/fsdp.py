@@ -78,6 +78,8 @@ class FullyShardedDataParallel(nn.Module):
     torch DeviceMesh of dims (replicate, shard)): hybrid sharding (hybrid.py).
     """
 
+    _pynccl_zero_model = True    # how dcp.py and tensor_parallel/dcp.py recognise it without importing this file
+
     def __init__(self, module: nn.Module, stage: Optional[int] = None, process_group: Optional[ProcessGroup] = None,
                  mixed_precision: Optional[MixedPrecision] = None, bucket_cap_mb: float = 25,
                  wrap_modules: WrapSpec = None, sync_module_states: bool = True, mesh=None, *,

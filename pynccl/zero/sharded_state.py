@@ -25,39 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..comm import distributed as dist
+from ..comm.dtensor_state import device_mesh, same_ranks, to_dtensor, whole_of  # noqa: F401 - re-exported
 from .row_exchange import chunk_rows, exchange_rows, flat_rows
-
-_MESHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def device_mesh(group) -> DeviceMesh:
-    """A 1-D DeviceMesh over `group`'s ranks (in group order), on its torch ProcessGroup
-    (pynccl.to_torch_group). Made once per group; the first call is collective over it."""
-    mesh = _MESHES.get(group)
-    if mesh is None:
-        mesh = DeviceMesh.from_group(dist.to_torch_group(group), group.backend.device.type)
-        _MESHES[group] = mesh
-    return mesh
-
-
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
-
-def to_dtensor(local: torch.Tensor, shape: torch.Size, mesh: DeviceMesh, dim: int = 0) -> DTensor:
-    """Wrap this rank's torch.chunk slice along `dim` of a `shape` tensor (Shard(dim); a 0-d
-    tensor whole, Replicate()); no communication."""
-    if len(shape) == 0:
-        return DTensor.from_local(local.reshape(()), mesh, [Replicate()], run_check=False, shape=torch.Size(()),
-                                  stride=())
-    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
 
 
 def _even_rows(shape: torch.Size, ws: int) -> List[List[range]]:
@@ -96,12 +65,6 @@ def whole_to_dtensor(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 
 
 # ---------------------------------------------------------------------- values -> this rank's chunk
-def same_ranks(mesh: DeviceMesh, group) -> bool:
-    """`mesh` is 1-D over `group`'s ranks in group order (its local tensors are our chunks)."""
-    # NOTE: torch's own lookup: pynccl's would map an unseen torch group to a new (collective) pynccl group.
-    return mesh.ndim == 1 and tdist.get_process_group_ranks(mesh.get_group()) == dist.get_process_group_ranks(group)
-
-
 def chunk_of(value, shape: torch.Size, group, what: str) -> torch.Tensor:
     """This rank's torch.chunk rows of a state-dict value for a `shape` tensor: a DTensor (ours,
     FSDP2's, DCP-loaded: Shard(0) over these ranks is used as is; any other layout is made whole
@@ -120,13 +83,6 @@ def chunk_of(value, shape: torch.Size, group, what: str) -> torch.Tensor:
         return value.reshape(1)
     rows = chunk_rows(shape[0], ws, rank)
     return value[rows.start: rows.stop]
-
-
-def whole_of(value) -> torch.Tensor:
-    """The whole tensor of a state-dict value (collective for a sharded DTensor)."""
-    if isinstance(value, DTensor):
-        return value.full_tensor() if not all(p.is_replicate() for p in value.placements) else value.to_local()
-    return value
 
 
 # ---------------------------------------------------------------------- DTensor chunks -> shards

@@ -16,18 +16,8 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-
-def wait_timeout_seconds(timeout: Union[None, float, datetime.timedelta]) -> Optional[float]:
-    """Work.wait's `timeout` in seconds, or None for "no timeout of the call's own" (the group's
-    bound applies): torch passes a timedelta, whose default timedelta(0) means none; pynccl 0.1
-    documented seconds (a number), still taken."""
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
-        raise ValueError(f"Work.wait: timeout must be a datetime.timedelta (as torch's) or a number of seconds "
-                         f">= 0, got {timeout!r}")
-    return None if seconds == 0 else float(seconds)
+from ... import _ext
+from ..work_future import completed_future, outputs_of, wait_timeout_seconds  # noqa: F401 - re-exported
 
 
 class Work(abc.ABC):
@@ -48,9 +38,12 @@ class Work(abc.ABC):
     def get_future(self) -> torch.futures.Future:
         """torch's Work.get_future (work_future.py): a future whose value is the op's output tensors.
         This default waits first; GlooWork completes its future from gloo's thread instead."""
-        from ..work_future import completed_future, outputs_of
         self.wait()
         return completed_future(outputs_of(self))
+
+
+if _ext._C is not None:
+    Work.register(_ext._C.Work)  # C++ Work handles are Works for isinstance checks
 
 
 class Backend(abc.ABC):
