@@ -95,10 +95,12 @@ def groups(n):
         # DDP over the no-DDP floor against torch DDP's, with the levers each in its own window.
         "ddp": [("ddp_nano", 240, _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m --steps 8 --repeats 2 "
                                             "--warmup 3 --no-diagnostics --levers comm-default comm-symmetric "
-                                            "comm-copy-engine max-ctas-4 grad-view --json {out}/ddp_nano.json")),
+                                            "comm-copy-engine overlap-optimizer bf16-wire grad-view max-ctas-4 "
+                                            "--json {out}/ddp_nano.json")),
                 ("ddp_medium", 240, _torchrun(n, "benchmarks/ddp_bench.py", f"--model hf-gpt2-medium --steps 5 "
                                               f"--repeats 2 --warmup 2 --no-diagnostics {NOGRAPH} --levers comm-default "
-                                              f"comm-copy-engine --json {{out}}/ddp_medium.json"))],
+                                              f"comm-copy-engine overlap-optimizer bf16-wire "
+                                              f"--json {{out}}/ddp_medium.json"))],
         # DDP: GPU phases, the host-bound step (buckets through C++ vs Python), stream priority, every lever.
         "ddp_more": [("ddp_phases", 200, _torchrun(n, "benchmarks/ddp_bench.py", "--steps 6 --repeats 3 --phases 10 "
                                                    "--grad-view both --json {out}/ddp_phases.json")),
@@ -134,6 +136,32 @@ def groups(n):
                ("pp_bubble", 120, f"python3 benchmarks/pp_bench.py --backend nccl --nproc {n} --json {{out}}/pp_bubble.json"),
                ("pp_stage_cost", 120, "CUDA_VISIBLE_DEVICES=0 python3 benchmarks/pp_stage_cost.py")],
         "train_summary": [("train_summary", 60, "python3 benchmarks/train_bench_summary.py {out}")],
+        # Issue 27: pynccl against torch at its best, eager and compiled (torchtitan's recipes), with MFU;
+        # the one-GPU reference (TP scaling, ZeRO-3's floor); nanoGPT's own train.py with compile=True
+        # (needs its train.py, model.py, configurator.py in benchmarks/results/nanogpt/); graph breaks.
+        "compile": [_train(n, "gpt2m_compile", f"{GPT2M} --batch 8 --strategy ddp,zero1,zero2,zero3 --compile both "
+                                               "--warmup 3 --steps 10", cap=300),
+                    _train(n, "llama1b_compile", f"{L1B} --batch 4 --strategy tp,tp-sp-async,zero3 --compile both "
+                                                 "--warmup 3 --steps 10", cap=270),
+                    _train(1, "llama1b_1gpu", f"{L1B} --batch 4 --strategy tp --compile both --warmup 3 --steps 10",
+                           cap=120)],
+        "nanogpt": [("nanogpt", 300, f"python3 benchmarks/nanogpt_swap.py --nproc {n} --json {{out}}/nanogpt.json "
+                                     "--variants torch-ddp,pynccl-ddp,zero3,zero1,zero2 --timeout 150 "
+                                     "--run-dir {out}/nanogpt_runs")],
+        "graph_breaks": [("graph_breaks", 90, _torchrun(n, "benchmarks/graph_breaks.py", "--device cuda --models hf-llama "
+                                                        "--wrappers none,ddp,zero3,tp,torch-ddp,fsdp2 --modes whole,blocks "
+                                                        "--json {out}/graph_breaks.json"))],
+        # Issue 28 on one host: 2 torchrun agents x 1 GPU, NCCL on its socket transport.
+        "multinode": [("multinode_tests", 300, f"{TESTS} -m multigpu tests/test_multinode_gpu.py"),
+                      ("socket_bench", 150, "python3 -m pynccl.bench all_reduce,all_gather,reduce_scatter --nnodes 2 "
+                                            "--backend nccl -b 8 -e 128M -f 4 -n 20 -w 5 --impl both"),
+                      ("scaling_check", 90, "python3 benchmarks/scaling_check.py --backend nccl --nnodes 2 "
+                                            "--nproc-per-node 1")],
+        # This session's new GPU tests: symmetric memory, torch's ops, the optimizer overlap, DCP with
+        # FSDP2, torch code after pynccl's init, and the rewritten DDP/ZeRO/PP/TP/fault tests.
+        "newtests": [("newtests", 420, f"{tests} tests/test_symmetric.py tests/test_reduce_op.py "
+                                       "tests/test_optimizer_overlap.py tests/test_dcp_gpu.py tests/test_interop.py "
+                                       "tests/test_ddp_gpu.py tests/test_zero_gpu.py")],
         # The examples on NCCL: a stock DDP script, the 3-D GPT (tp 2 x pp N/2, ZeRO-3, SP).
         "examples": [("train_ddp", 120, _torchrun(n, "examples/train_ddp.py", "--epochs 2")),
                      ("train_gpt", 120, _torchrun(n, "examples/train_gpt.py", "--steps 200 --no-progress --log-every 50")),
@@ -163,7 +191,8 @@ def main():
     if unknown:
         sys.exit(f"gpu_suite: unknown group(s) {unknown}; --list shows them")
     os.makedirs(args.out, exist_ok=True)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               PYTHONUNBUFFERED="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0, port, failed = time.monotonic(), 29600, []
     for g in names:
