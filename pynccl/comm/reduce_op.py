@@ -93,7 +93,8 @@ def _is_torch_op_object(op) -> bool:
 
 def _torch_premul(op) -> PremulSum:
     """torch's PREMUL_SUM object (`_make_nccl_premul_sum(f)`): its factor as a PremulSum."""
-    factor = op.factor
+    # NOTE: torch >= 2.14 has `.factor`; 2.11 only pickles it: __getstate__() is (PREMUL_SUM, factor).
+    factor = op.factor if hasattr(op, "factor") else op.__getstate__()[1]
     if isinstance(factor, torch.Tensor):
         if factor.numel() != 1:
             raise ValueError(f"premul_sum: the factor tensor must have one element, got {factor.numel()}")

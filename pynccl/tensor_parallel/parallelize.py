@@ -9,6 +9,7 @@ import fnmatch
 import warnings
 from typing import Dict, Optional, Union
 
+import torch
 import torch.nn as nn
 
 from ..comm import distributed as dist
