@@ -103,8 +103,9 @@ def worker(out_path, reps):
     g = layout.ranks_per_node
     node_groups, rail_groups = [pynccl.new_group(r) for r in layout.nodes], \
         [pynccl.new_group(r) for r in layout.inter_node_groups()]
-    node = next(x for x in node_groups if rank in x.ranks)
-    rail = next(x for x in rail_groups if rank in x.ranks)
+    # new_group gives torch's GroupMember.NON_GROUP_MEMBER (an int) to the ranks outside a group
+    node = next(x for x in node_groups if isinstance(x, pynccl.ProcessGroup) and rank in x.ranks)
+    rail = next(x for x in rail_groups if isinstance(x, pynccl.ProcessGroup) and rank in x.ranks)
     small, large = 8, (64 << 20) if device.type == "cuda" else (4 << 20)
     intra = fit_link(node, device, small, large, reps)
     world = fit_link(pynccl.get_default_group(), device, small, large, reps)
