@@ -376,4 +376,4 @@ def _torch_code_after_pynccl_init(rank, ws):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_torch_code_after_pynccl_init_multi_gpu():
     assert run_multiprocess(_torch_code_after_pynccl_init, 2, backend="nccl", start_method="spawn",
-                            timeout=300) == [True, True]
+                            timeout=120) == [True, True]

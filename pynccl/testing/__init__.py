@@ -57,10 +57,18 @@ def _child(fn, rank, world_size, env, backend, init_kwargs, args, kwargs, result
             pynccl.init_process_group(backend=backend, **init_kwargs)
         try:
             value = fn(rank, world_size, *args, **kwargs)
-        finally:
+        except BaseException:
+            # Reported before any teardown: destroy is collective (NCCL's finalize), and a peer
+            # still waiting in a collective would hold it, so the error would show as a hang.
+            # Abort is local and never blocks.
+            results.put((rank, "error", traceback.format_exc()))
+            code = 1
+            if backend is not None and pynccl.is_initialized():
+                pynccl.abort_process_group()
+        else:
             if backend is not None and pynccl.is_initialized():
                 pynccl.destroy_process_group()
-        results.put((rank, "ok", value))
+            results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
         code = 1
