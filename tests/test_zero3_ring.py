@@ -93,23 +93,29 @@ def test_ring_refuses_what_does_not_fit():
 # ----------------------------------------------------------------------------- stage 3 on gloo
 def _force_ring(monkeypatch_slots):
     """Make stage 3 build its ring from ordinary tensors (gloo has no window), R slots."""
-    import pynccl.zero.stage3 as stage3
+    import pynccl.zero.gather_ring as gather_ring
     from pynccl.comm.symmetric import SymmetricSupport
-    stage3.GATHER_SLOTS = monkeypatch_slots
-    stage3.symmetric_support = lambda group: SymmetricSupport(True, True, "")
-    stage3.alloc_symmetric = lambda group, sizes: _slots(sizes[0][0], len(sizes))
+    gather_ring.GATHER_SLOTS = monkeypatch_slots
+    gather_ring.symmetric_support = lambda group: SymmetricSupport(True, True, "")
+    gather_ring.alloc_symmetric = lambda group, sizes: _slots(sizes[0][0], len(sizes))
 
 
-def _run(ring_slots, checkpointing, skips, optim, mixed, steps=3):
-    """Losses, parameters and ring decisions of `steps` steps of _Branchy (5 units) on this rank."""
-    from test_zero_real_clients import _Branchy, batch
+def _run(kind, ring_slots, checkpointing, skips, optim, mixed, steps=3):
+    """Losses, parameters and ring decisions of `steps` steps on this rank: _Branchy (5 blocks, 7
+    units, no root) or a Hugging Face model (gradient checkpointing through HF's own switch; GPT-2's
+    tied embedding makes a root unit, outside the ring)."""
+    from test_zero_real_clients import _Branchy, batch, make_model
     import os
     os.environ["PYNCCL_ZERO3_SYMMETRIC"] = "1" if ring_slots else "0"
     if ring_slots:
         _force_ring(ring_slots)
     rank, ws = pynccl.get_rank(), pynccl.get_world_size()
     mp = pynccl.zero.MixedPrecision(torch.bfloat16, torch.float32) if mixed else None
-    model = pynccl.FullyShardedDataParallel(_Branchy(checkpointing, num_blocks=5), stage=3, mixed_precision=mp)
+    net = _Branchy(checkpointing, num_blocks=5) if kind == "branchy" else make_model(kind, checkpointing)
+    model = pynccl.FullyShardedDataParallel(net, stage=3, mixed_precision=mp)
+
+    def forward(x, skip=()):
+        return model(x, skip) if kind == "branchy" else model(input_ids=x, labels=x).loss
     ring = model._runtime.gather_ring
     assert (ring is not None) == bool(ring_slots), model._runtime.gather_ring_reason
     if ring is not None:
@@ -120,13 +126,13 @@ def _run(ring_slots, checkpointing, skips, optim, mixed, steps=3):
     for step in range(steps):
         x = batch(step)
         n = x.shape[0] // ws
-        loss = model(x[rank * n:(rank + 1) * n], skips(step, rank))
+        loss = forward(x[rank * n:(rank + 1) * n], skips(step, rank))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     with torch.no_grad():                              # an evaluation forward gathers and frees too
-        losses.append(model(batch(steps)[rank * n:(rank + 1) * n]).detach())
+        losses.append(forward(batch(steps)[rank * n:(rank + 1) * n]).detach())
     params = [t.clone() for t in model.full_state_dict().values()]
     if ring is not None:
         assert all(o is None for o in ring.occupants), ring.occupants      # every slot back after the step
@@ -135,13 +141,13 @@ def _run(ring_slots, checkpointing, skips, optim, mixed, steps=3):
 
 def _ring_equals_plain(rank, ws, cases):
     out = []
-    for ring_slots, checkpointing, skip_name, optim, mixed in cases:
+    for kind, ring_slots, checkpointing, skip_name, optim, mixed in cases:
         skips = {"none": lambda step, r: (),
                  # a block left out on rank 1 only (its gathers and frees come at other times there)
                  "rank1": lambda step, r: (1,) if r == 1 and step == 1 else ()}[skip_name]
-        plain = _run(0, checkpointing, skips, optim, mixed)
-        ringed = _run(ring_slots, checkpointing, skips, optim, mixed)
-        what = f"R={ring_slots} checkpointing={checkpointing} skip={skip_name} {optim} mixed={mixed}"
+        plain = _run(kind, 0, checkpointing, skips, optim, mixed)
+        ringed = _run(kind, ring_slots, checkpointing, skips, optim, mixed)
+        what = f"{kind} R={ring_slots} checkpointing={checkpointing} skip={skip_name} {optim} mixed={mixed}"
         for a, b in zip(plain[0], ringed[0]):
             assert torch.equal(a, b), f"{what}: losses {plain[0]} != {ringed[0]}"
         for a, b in zip(plain[1], ringed[1]):
@@ -150,14 +156,16 @@ def _ring_equals_plain(rank, ws, cases):
     return out
 
 
-# (slots, checkpointing (use_reentrant), skips, optimizer, bf16 compute)
+# (model, slots, checkpointing (use_reentrant), skips, optimizer, bf16 compute)
 CASES = [
-    (4, None, "none", "sgd", False),
-    (4, False, "none", "adamw", True),       # non-reentrant checkpointing
-    (2, True, "none", "sgd", True),          # reentrant checkpointing; 2 slots are enough for the normal flow
-    (1, None, "none", "adamw", False),       # fewer slots than units in flight: every other gather spills
-    (4, None, "rank1", "sgd", False),        # rank 1 skips a block: it frees and gathers at other times
-    (2, False, "rank1", "adamw", True),
+    ("branchy", 4, None, "none", "sgd", False),
+    ("branchy", 4, False, "none", "adamw", True),    # non-reentrant checkpointing
+    ("branchy", 2, True, "none", "sgd", True),       # reentrant; 2 slots are enough for the normal flow
+    ("branchy", 1, None, "none", "adamw", False),    # fewer slots than units in flight: every other gather spills
+    ("branchy", 4, None, "rank1", "sgd", False),     # rank 1 skips a block: it frees and gathers at other times
+    ("branchy", 2, False, "rank1", "adamw", True),
+    ("llama", 4, False, "none", "adamw", True),      # HF gradient checkpointing
+    ("gpt2", 2, True, "none", "sgd", False),         # and a root unit (the tied embedding) beside the ring
 ]
 
 
@@ -167,7 +175,7 @@ def test_stage3_with_ring_equals_without():
         assert log0 == log1, f"{case}: the ranks decided differently"
         taken = sum(1 for s in log0 if s is not None and s >= 0)
         assert taken > 0, (case, log0)                # the ring was used
-        if case[0] == 1:
+        if case[1] == 1:
             assert None in log0, (case, log0)         # and, with too few slots, refused
         else:
             assert None not in log0, (case, log0)     # enough slots: the normal flow never finds one taken
@@ -184,3 +192,43 @@ def _divergent_decisions(rank, ws):
 
 def test_check_collectives_names_a_divergent_decision():
     assert run_multiprocess(_divergent_decisions, 2, timeout=300, env={"PYNCCL_CHECK_COLLECTIVES": "1"}) == [True] * 2
+
+
+def _memory_with_ring(rank, ws):
+    """benchmarks/zero_memory.py's stage-3 measurement with the ring forced (4 slots), every
+    reduce-scatter waited for as it starts (test_zero_memory's synchronous run)."""
+    import test_zero_memory as tzm
+    import pynccl.zero.flat_unit as fu
+    _force_ring(4)
+    bench = tzm._load_bench()
+    real = fu.ShardedUnit.reduce_grad
+
+    def reduce_and_wait(unit, grads):
+        pending = real(unit, grads)
+        pending.work.wait()
+        return pending
+    fu.ShardedUnit.reduce_grad = reduce_and_wait
+    return bench.measure(3, tzm.ARGS, torch.device("cpu"))
+
+
+def test_memory_replay_counts_the_ring():
+    """The ring replaces the gathered blocks by R slots held throughout: the replay
+    (zero_memory.expected_peak(ring_slots=R)) matches the measured peak, and its gathered
+    parameters are exactly the window plus the root, from the layouts."""
+    for res in run_multiprocess(_memory_with_ring, 3, timeout=300):
+        measured, expected = res["peak"]["total"], sum(res["expected"].values())
+        assert 0.95 * expected <= measured <= 1.01 * expected, (measured, expected)
+        assert res["peak"]["detail"]["params_full"] == res["expected"]["params_full"], (res["peak"], res["expected"])
+    blocks, root = run_multiprocess(_block_and_root_numels, 3, timeout=120)[0]   # bf16: 2 bytes each
+    slot = -(-2 * max(blocks) // ALIGN_BYTES) * ALIGN_BYTES
+    assert res["expected"]["params_full"] == 4 * slot + 2 * root
+
+
+def _block_and_root_numels(rank, ws):
+    import test_zero_memory as tzm
+    bench = tzm._load_bench()
+    net, _ = bench.make_model(tzm.ARGS, torch.device("cpu"))
+    model = pynccl.FullyShardedDataParallel(net, stage=3, bucket_cap_mb=tzm.ARGS.bucket_cap_mb,
+                                            mixed_precision=pynccl.zero.MixedPrecision(torch.bfloat16, torch.bfloat16))
+    rt = model._runtime
+    return [u.layout.padded_numel for u in rt.forward_order], (rt.root.layout.padded_numel if rt.root else 0)

@@ -19,14 +19,26 @@ the same order wherever every rank runs the same blocks. They differ where a ran
 (stage3.py: a block its forward skipped is freed at once, one its backward skipped is held to the
 end of backward). An early free can only turn "spilled" into "slot" on that rank, and a late one
 the reverse, so decisions stay equal as long as no rank finds a slot taken: R exceeds the units
-gathered at once (see stage3.GATHER_SLOTS). PYNCCL_CHECK_COLLECTIVES=1 compares every decision
+gathered at once (GATHER_SLOTS). PYNCCL_CHECK_COLLECTIVES=1 compares every decision
 across ranks (the all-gather's signature carries it) and names the first that differs.
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
 import torch
+
+from ..comm.symmetric import alloc_symmetric, symmetric_support
+
+# PYNCCL_ZERO3_SYMMETRIC unset: whether blocks gather into a ring of symmetric-window slots
+# (GatherRing below) where symmetric_support says the group can.
+ZERO3_SYMMETRIC_DEFAULT = True
+# Slots in that ring. Gathered at once: forward holds the running block and the prefetched one;
+# backward the running one, the prefetched one and, until its gradient hook fires, the one before
+# (activation checkpointing: the recomputed unit instead); one slot more, so the normal flow never
+# finds its slot taken (see the module docstring for why that matters).
+GATHER_SLOTS = 4
 
 
 class GatherRing:
@@ -96,3 +108,21 @@ class GatherRing:
 
     def tensors(self) -> List[torch.Tensor]:
         return list(self.slots)
+
+
+def build_gather_ring(blocks, group):
+    """Collective (same layout on every rank): (GatherRing, "") with GATHER_SLOTS slots of the
+    largest block's (ShardedUnit's) gathered bytes in one symmetric window, or (None, why not)."""
+    env = os.environ.get("PYNCCL_ZERO3_SYMMETRIC", "").strip().lower()
+    if env in ("0", "false", "off", "no") or (not env and not ZERO3_SYMMETRIC_DEFAULT):
+        return None, "off (PYNCCL_ZERO3_SYMMETRIC)"
+    if not blocks or group.world_size == 1:
+        return None, "off (no block units to gather)" if not blocks else "off (one rank)"
+    support = symmetric_support(group)
+    if not support.available:
+        return None, support.describe()
+    slot_bytes = max(u.layout.padded_numel * u.full.element_size() for u in blocks)
+    slots = alloc_symmetric(group, [(slot_bytes, torch.uint8)] * GATHER_SLOTS)
+    if slots is None:                                 # the same on every rank; the group says why
+        return None, symmetric_support(group).describe()
+    return GatherRing(slots), ""

@@ -30,7 +30,6 @@ no more than two units (and the root) are gathered at a time during backward.
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 from typing import Dict, List, Optional
 
@@ -40,21 +39,10 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from ..comm.groups import duplicate_group
-from ..comm.symmetric import alloc_symmetric, symmetric_support
 from .flat_unit import ReduceQueue, ShardedUnit
-from .gather_ring import GatherRing
+from .gather_ring import build_gather_ring
 from .layout import FlatLayout
 from .params import ParamInfo, install
-
-
-# PYNCCL_ZERO3_SYMMETRIC unset: whether blocks gather into a ring of symmetric-window slots
-# (gather_ring.py) where symmetric_support says the group can.
-ZERO3_SYMMETRIC_DEFAULT = True
-# Slots in that ring. Gathered at once: forward holds the running block and the prefetched one;
-# backward the running one, the prefetched one and, until its gradient hook fires, the one before
-# (activation checkpointing: the recomputed unit instead); one slot more, so the normal flow never
-# finds its slot taken (see gather_ring.py for why that matters).
-GATHER_SLOTS = 4
 
 
 class ShardedParamsRuntime:
@@ -111,7 +99,7 @@ class ShardedParamsRuntime:
         self._by_storage: Dict[int, ShardedUnit] = {}    # data_ptr of a gathered buffer -> its unit
         self._blocks = [u for u in self.units if u is not self.root]   # the gather order (see below)
         # The root stays gathered for the whole step: it keeps an ordinary buffer.
-        self.gather_ring, self.gather_ring_reason = _gather_ring(self._blocks, group)
+        self.gather_ring, self.gather_ring_reason = build_gather_ring(self._blocks, group)
         for u in self._blocks:
             u.gather_ring = self.gather_ring
         self._pos = {u.index: i for i, u in enumerate(self._blocks)}
@@ -125,6 +113,13 @@ class ShardedParamsRuntime:
         self.in_flight = ReduceQueue(0)               # see _reduce_in_order: drained at the end of backward
         self._ready: Dict[int, torch.Tensor] = {}        # unit index -> full gradient waiting for its turn
         self._cursor = len(self.units) - 1               # next unit index to reduce (descending)
+
+    def describe_gather_ring(self) -> str:
+        ring = self.gather_ring
+        if ring is None:
+            return f"ordinary buffers; gather ring {self.gather_ring_reason}"
+        return (f"ring of {len(ring)} slots of {ring.slot_bytes / 2 ** 20:.1f} MiB in a symmetric window "
+                f"(block gathers so far: {ring.gathers}, {ring.spilled} in ordinary buffers)")
 
     def mark_stale(self) -> None:
         """Every unit re-gathers before it is used next (its shard may have changed)."""
@@ -369,24 +364,6 @@ class ShardedParamsRuntime:
                 "grads_unreduced": [u.full.grad for u in self.units] + list(self._ready.values()),
                 "grads_in_flight": self.in_flight.buffers(),
                 "grads_shard": [g for u in self.units for g in u.grads]}
-
-
-def _gather_ring(blocks: List[ShardedUnit], group):
-    """Collective (same layout on every rank): (GatherRing, "") with GATHER_SLOTS slots of the
-    largest block's gathered bytes in one symmetric window, or (None, why not)."""
-    env = os.environ.get("PYNCCL_ZERO3_SYMMETRIC", "").strip().lower()
-    if env in ("0", "false", "off", "no") or (not env and not ZERO3_SYMMETRIC_DEFAULT):
-        return None, "off (PYNCCL_ZERO3_SYMMETRIC)"
-    if not blocks or group.world_size == 1:
-        return None, "off (no block units to gather)" if not blocks else "off (one rank)"
-    support = symmetric_support(group)
-    if not support.available:
-        return None, support.describe()
-    slot_bytes = max(u.layout.padded_numel * u.full.element_size() for u in blocks)
-    slots = alloc_symmetric(group, [(slot_bytes, torch.uint8)] * GATHER_SLOTS)
-    if slots is None:                                 # the same on every rank; the group says why
-        return None, symmetric_support(group).describe()
-    return GatherRing(slots), ""
 
 
 def _never_compiled(*functions) -> None:
