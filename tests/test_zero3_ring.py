@@ -198,16 +198,9 @@ def _memory_with_ring(rank, ws):
     """benchmarks/zero_memory.py's stage-3 measurement with the ring forced (4 slots), every
     reduce-scatter waited for as it starts (test_zero_memory's synchronous run)."""
     import test_zero_memory as tzm
-    import pynccl.zero.flat_unit as fu
     _force_ring(4)
+    tzm.wait_each_reduce_scatter()
     bench = tzm._load_bench()
-    real = fu.ShardedUnit.reduce_grad
-
-    def reduce_and_wait(unit, grads):
-        pending = real(unit, grads)
-        pending.work.wait()
-        return pending
-    fu.ShardedUnit.reduce_grad = reduce_and_wait
     return bench.measure(3, tzm.ARGS, torch.device("cpu"))
 
 

@@ -13,6 +13,8 @@ in flight, and its memory is released (storage resized to 0) right after. For ba
     gradients into full.grad; its post-accumulate hook reduce-scatters that flat gradient
     into the shard and frees both the gradient and the parameters.
 The root unit stays gathered from the start of forward until its gradient is ready.
+Where the group has NCCL symmetric memory, the other units gather into a ring of slots in one
+window registered at wrap time (gather_ring.py), so their all-gathers run on the copy engines.
 
 Gradients are reduce-scattered in one fixed order on every rank (descending unit index, the
 root last), not in the order hooks fire: a unit whose hook fires early waits for the units
