@@ -144,7 +144,9 @@ def _ring_equals_plain(rank, ws, cases):
     for kind, ring_slots, checkpointing, skip_name, optim, mixed in cases:
         skips = {"none": lambda step, r: (),
                  # a block left out on rank 1 only (its gathers and frees come at other times there)
-                 "rank1": lambda step, r: (1,) if r == 1 and step == 1 else ()}[skip_name]
+                 "rank1": lambda step, r: (1,) if r == 1 and step == 1 else (),
+                 # test_zero_gpu's conditional blocks: one rank, both ranks, the other rank; the last block too
+                 "mixed": lambda step, r: [(1,) if r == 1 else (), (0, 2), (4,) if r == 0 else ()][step]}[skip_name]
         plain = _run(kind, 0, checkpointing, skips, optim, mixed)
         ringed = _run(kind, ring_slots, checkpointing, skips, optim, mixed)
         what = f"{kind} R={ring_slots} checkpointing={checkpointing} skip={skip_name} {optim} mixed={mixed}"
@@ -164,6 +166,8 @@ CASES = [
     ("branchy", 1, None, "none", "adamw", False),    # fewer slots than units in flight: every other gather spills
     ("branchy", 4, None, "rank1", "sgd", False),     # rank 1 skips a block: it frees and gathers at other times
     ("branchy", 2, False, "rank1", "adamw", True),
+    ("branchy", 2, None, "mixed", "sgd", False),
+    ("branchy", 4, True, "mixed", "adamw", False),
     ("llama", 4, False, "none", "adamw", True),      # HF gradient checkpointing
     ("gpt2", 2, True, "none", "sgd", False),         # and a root unit (the tied embedding) beside the ring
 ]
