@@ -343,9 +343,10 @@ class ShardedParamsRuntime:
     # may land in another ring slot, or in its own storage.
     def pack(self, t: torch.Tensor):
         if (self._by_storage or self.gather_ring is not None) and t.layout == torch.strided:
-            unit = self._by_storage.get(t.untyped_storage().data_ptr())
+            ptr = t.untyped_storage().data_ptr()
+            unit = self._by_storage.get(ptr)
             if unit is None and self.gather_ring is not None:
-                unit = self.gather_ring.owner_at(t)
+                unit = self.gather_ring.owner_at(t, ptr)
             if unit is not None and t.dtype == unit.full.dtype:
                 return (unit, t.storage_offset() - unit.full.storage_offset(), t.size(), t.stride())
         return t
