@@ -119,6 +119,16 @@ def groups(n):
                        "--repeats 2 --json {out}/zero12_plain.json"))],
         "zero3": [("zero3_llama", 200, _torchrun(n, "benchmarks/train_bench.py", f"{L1B} --batch 4 --strategy zero3 "
                                                  "--warmup 3 --steps 10 --repeats 2 --json {out}/zero3.json"))],
+        # Issue 26 item 2: ZeRO-3's block gathers in a symmetric-window ring (on by default) against
+        # ordinary buffers; the tests first (bit-identical training, no NCCL all-gather kernels).
+        "zero3ring": [("zero3_ring_tests", 300, f"CUDA_VISIBLE_DEVICES=0,1 {TESTS} -s -m multigpu "
+                                                "tests/test_zero3_symmetric_gpu.py tests/test_zero_gpu.py"),
+                      ("zero3_ring", 200, _torchrun(n, "benchmarks/train_bench.py", f"{L1B} --batch 4 --strategy zero3 "
+                                                    "--impl pynccl --warmup 3 --steps 10 --repeats 2 "
+                                                    "--json {out}/zero3_ring.json")),
+                      ("zero3_plain", 200, "PYNCCL_ZERO3_SYMMETRIC=0 " + _torchrun(
+                          n, "benchmarks/train_bench.py", f"{L1B} --batch 4 --strategy zero3 --impl pynccl --warmup 3 "
+                          "--steps 10 --repeats 2 --json {out}/zero3_plain.json"))],
         "zero_gpt2": [_train(n, "gpt2m_zero", f"{GPT2M} --batch 8 --strategy zero1,zero2,zero3 --warmup 3 --steps 12 "
                                               "--repeats 2", cap=240)],
         "zeromem": [("zero_memory", 150, _torchrun(n, "benchmarks/zero_memory.py", "--device cuda")),

@@ -105,7 +105,7 @@ class _Timeline:
 
 
 def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce=2, master=4, optim_per_elem=8,
-                  marks=None, stage3_in_flight=1):
+                  marks=None, stage3_in_flight=1, ring_slots=0):
     """{role: bytes} at the largest point of one training step, replayed from the shard layouts
     in the order the implementation allocates and frees (pynccl/zero/stage12.py, stage3.py,
     flat_unit.py): what the implementation is built to hold, to set against the measurement.
@@ -117,7 +117,10 @@ def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce
     reduce-scatters are still running after each start (1: the collective keeps up with backward;
     more where it lags, as gloo's threads can on a busy machine). If `marks` is a dict, it gets
     "last_grad": the total held when backward makes its last gradient (before that gradient's
-    reduction starts), where backward's own temporaries peak too (see measure_unwrapped)."""
+    reduction starts), where backward's own temporaries peak too (see measure_unwrapped).
+    ring_slots (stage 3): the blocks gather into a ring of that many slots of one symmetric window
+    (zero/gather_ring.py), each the largest block's gathered bytes, 4096-aligned: held throughout,
+    and no block gather allocates (the normal flow never finds its slot taken)."""
     P = [u.layout.padded_numel for u in units]
     S = [u.layout.shard_numel for u in units]
     numel = [u.layout.numel for u in units]
@@ -172,24 +175,31 @@ def expected_peak(stage, units, root=None, forward_order=None, compute=2, reduce
         order = list(forward_order)
         if root is not None:
             tl.add("params_full", compute * P[root])
+        if ring_slots and order:
+            slot = -(-compute * max(P[i] for i in order) // 4096) * 4096
+            tl.add("params_full", ring_slots * slot)
+
+        def gathered(i, sign):                        # a block gathered (+1) or freed (-1)
+            if not ring_slots:
+                tl.add("params_full", sign * compute * P[i])
         for k, i in enumerate(order):                 # forward: current unit + the prefetched next
             if k == 0:
-                tl.add("params_full", compute * P[i])
+                gathered(i, 1)
             if k + 1 < len(order):
-                tl.add("params_full", compute * P[order[k + 1]])
+                gathered(order[k + 1], 1)
             if k + 1 < len(order):                    # the last unit stays gathered for backward
-                tl.add("params_full", -compute * P[i])
+                gathered(i, -1)
         if root is not None:                          # the root's flat gradient, from backward's start
             tl.add("grads_unreduced", compute * P[root])
         for k, i in enumerate(reversed(order)):
             prev = order[len(order) - 2 - k] if k + 1 < len(order) else None
             if prev is not None:
-                tl.add("params_full", compute * P[prev])      # prefetched for its backward
+                gathered(prev, 1)                     # prefetched for its backward
             tl.add("grads_unreduced", compute * P[i])
             if root is None and k == len(order) - 1:
                 tl.mark("last_grad")
             launch(i, compute * P[i], inp_is_grad=compute == reduce)
-            tl.add("params_full", -compute * P[i])
+            gathered(i, -1)
         if root is not None:                          # the root (embeddings) completes last
             tl.mark("last_grad")
             launch(root, compute * P[root], inp_is_grad=compute == reduce)
@@ -277,6 +287,8 @@ def measure(stage, args, device):
     marks = {}
     order = dict(root=rt.root.index if stage == 3 and rt.root is not None else None,
                  forward_order=[u.index for u in rt.forward_order] if stage == 3 else None)
+    if stage == 3 and rt.gather_ring is not None:
+        order["ring_slots"] = len(rt.gather_ring)
     expected = expected_peak(stage, model.units, marks=marks, **order)
     n = model.process_group.world_size
     result = dict(stage=stage, num_params=num_params, peak=sampler.peak, expected=expected,

@@ -47,19 +47,25 @@ def _stage3_replays(bench, args):
             "all": bench.expected_peak(3, model.units, stage3_in_flight=len(model.units), **order)}
 
 
+def wait_each_reduce_scatter():
+    """In this process, every reduce-scatter completes before backward goes on."""
+    import pynccl.zero.flat_unit as fu
+    real = fu.ShardedUnit.reduce_grad
+
+    def reduce_and_wait(unit, grads):
+        pending = real(unit, grads)
+        pending.work.wait()
+        return pending
+    fu.ShardedUnit.reduce_grad = reduce_and_wait
+
+
 def _worker(rank, world_size, args, synchronous, leak=False):
     """bench.worker; synchronous: every reduce-scatter waited for as it starts. leak: completed
     reduce-scatters are never freed before the end of backward (the bug the bound must catch)."""
     import pynccl.zero.flat_unit as fu
     bench = _load_bench()
     if synchronous:
-        real = fu.ShardedUnit.reduce_grad
-
-        def reduce_and_wait(unit, grads):
-            pending = real(unit, grads)
-            pending.work.wait()
-            return pending
-        fu.ShardedUnit.reduce_grad = reduce_and_wait
+        wait_each_reduce_scatter()
     if leak:
         fu.ReduceQueue.trim_completed = lambda queue: None
     out = bench.worker(rank, world_size, args)

@@ -40,6 +40,7 @@ class CheckedBackend:
         self._prefix = f"{key_prefix}/check/{group_name}"
         self._group_name = group_name
         self._seq = 0
+        self._variant = None              # tag_next_collective: compared with the next signature
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -50,6 +51,8 @@ class CheckedBackend:
         sig = {"op": op, "dtype": str(tensor.dtype) if tensor is not None else None,
                "count": tensor.numel() if tensor is not None else 0,
                "redop": _op_name(reduce_op), "root": root}
+        if self._variant is not None:
+            sig["variant"], self._variant = self._variant, None
         self._store.set(f"{self._prefix}/{seq}/{rank}", json.dumps(sig))
         keys = [f"{self._prefix}/{seq}/{r}" for r in range(n)]
         timeout = datetime.timedelta(seconds=self._inner.timeout_s)
@@ -124,3 +127,12 @@ class CheckedBackend:
     def barrier_work(self):
         self._verify("barrier", None)   # the same signature as barrier(): ranks may mix the two, as in torch
         return self._inner.barrier_work()
+
+
+def tag_next_collective(backend, variant: str) -> None:
+    """With the check on, the next collective's signature carries `variant` (a choice the caller
+    made locally that must be the same on every rank, e.g. whether ZeRO-3's all-gather runs in a
+    symmetric window): a difference raises CollectiveMismatchError instead of a hang. Free when
+    the check is off."""
+    if isinstance(backend, CheckedBackend):
+        backend._variant = variant

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from ..comm import distributed as dist
+from ..comm.collective_check import tag_next_collective
 from ..comm.reduce_op import ReduceOp
+from .gather_ring import GatherRing
 from .layout import FlatLayout
 
 
@@ -98,20 +100,24 @@ class ShardedUnit:
 
     persistent=True (stages 1, 2): the full buffer lives for the whole run; when no cast is
     needed the master shard is a view of it (no second copy). persistent=False (stage 3):
-    the buffer's storage is allocated for a gather and resized to 0 by free(); `full` is a
-    leaf that requires grad, so autograd sums every parameter's gradient into full.grad.
+    the buffer's storage is allocated for a gather and resized to 0 by free(), or, with a
+    gather_ring, `full` is a view of a ring slot from gather to free(); `full` is a leaf that
+    requires grad, so autograd sums every parameter's gradient into full.grad.
     """
 
     def __init__(self, index: int, layout: FlatLayout, params: Sequence[nn.Parameter], group,
                  compute_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype], *,
                  persistent: bool, sync_from_first_rank: bool, reduce_group=None, replicate_group=None,
-                 full_buffer: Optional[torch.Tensor] = None, reduce_ring: Optional[SymmetricReduceRing] = None):
+                 full_buffer: Optional[torch.Tensor] = None, reduce_ring: Optional[SymmetricReduceRing] = None,
+                 gather_ring: Optional[GatherRing] = None):
         """params: the module's original parameters, one per slot; each becomes a view of this
         rank's rows of it in the shard (param.data is replaced, the object stays the same).
         replicate_group: hybrid sharding, the groups holding the same shard (hybrid.py).
         full_buffer (persistent units): where `full` lives, (padded_numel,) in the compute dtype,
         e.g. a symmetric window, so its all-gathers run on NCCL's copy engines / symmetric kernels.
-        reduce_ring: symmetric buffers the gradient reduce-scatters run in (else fresh tensors)."""
+        reduce_ring: symmetric buffers the gradient reduce-scatters run in (else fresh tensors).
+        gather_ring (stage 3): slots of a symmetric window a gather takes where it can
+        (gather_ring.py): `full` is then a view of the slot until free()."""
         master_dtype = params[0].dtype
         for slot, p in zip(layout.slots, params):
             if p.dtype != master_dtype:
@@ -129,6 +135,8 @@ class ShardedUnit:
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.persistent = persistent
         self.reduce_ring = reduce_ring
+        self.gather_ring = gather_ring
+        self.ring_slot: Optional[int] = None          # the gather_ring slot `full` is a view of
         self._zeros = {}                               # dtype -> zeros for the padding (pack_slots)
         device = params[0].device
         k = layout.shard_numel
@@ -167,6 +175,8 @@ class ShardedUnit:
         if not persistent:
             self.full.untyped_storage().resize_(0)
             self.full.requires_grad_(True)
+            # The full buffer's own storage (size 0 while freed); `full` points here or at a slot.
+            self._own_full = self.full.detach()
 
     # ------------------------------------------------------------------ parameters
     @property
@@ -201,14 +211,33 @@ class ShardedUnit:
             return
         self.check_params()
         if not self.is_allocated:
-            self.full.untyped_storage().resize_(self._full_nbytes)
+            self._take_buffer()
+        elif self.gather_ring is not None:
+            self.gather_ring.count_in_place()
         k = self.layout.shard_numel
         with torch.no_grad():
             full = self.full.detach()
             slot = full[self.rank * k: (self.rank + 1) * k]
             if not self.alias:
                 self.backend.pack([self.shard.detach()], slot)
+            if self.gather_ring is not None:            # PYNCCL_CHECK_COLLECTIVES compares the ring's decision
+                tag_next_collective(self.group.backend, "ring" if self.ring_slot is not None else "ordinary")
             self.gather_work = dist.all_gather_into_tensor(full, slot, group=self.group, async_op=True)
+
+    def _take_buffer(self) -> None:
+        """Point `full` at the ring's slot for this gather, else at its own storage, allocated.
+        NOTE: `full.data = ...` keeps the leaf (its grad hook, autograd identity); the slot's
+        previous occupant was freed on this rank, and its last readers were queued on this
+        stream before this gather's pack and all-gather (which waits for this stream)."""
+        nbytes = self.layout.padded_numel * self.full.element_size()
+        s = self.gather_ring.acquire(self, nbytes) if self.gather_ring is not None else None
+        with torch.no_grad():
+            if s is not None:
+                self.ring_slot = s
+                self.full.data = self.gather_ring.view(s, self.layout.padded_numel, self.compute_dtype)
+            else:
+                self.full.data = self._own_full
+                self.full.untyped_storage().resize_(self._full_nbytes)
 
     def wait_gather(self) -> None:
         if self.gather_work is not None:
@@ -220,8 +249,27 @@ class ShardedUnit:
         """Release the full buffer's memory (stage 3); a no-op for persistent buffers."""
         self.wait_gather()                             # never free memory a gather still writes
         if not self.persistent and self.is_allocated:
-            self.full.untyped_storage().resize_(0)
+            if self.ring_slot is not None:              # the slot goes back to the ring, the memory stays
+                self.gather_ring.release(self, self.ring_slot)
+                self.ring_slot = None
+                with torch.no_grad():
+                    self.full.data = self._own_full
+            else:
+                self.full.untyped_storage().resize_(0)
             self.stale = True
+
+    def leave_ring(self) -> None:
+        """Move the gathered parameters out of their ring slot into this unit's own storage (one
+        copy, stream-ordered after the gather) and give the slot back; a no-op outside the ring."""
+        if self.ring_slot is None:
+            return
+        self.wait_gather()
+        with torch.no_grad():
+            self._own_full.untyped_storage().resize_(self._full_nbytes)
+            self._own_full.copy_(self.full.detach())
+            self.gather_ring.release(self, self.ring_slot)
+            self.ring_slot = None
+            self.full.data = self._own_full
 
     def pack_slots(self, tensors: List[torch.Tensor], flat: torch.Tensor, scale: float = 1.0) -> None:
         """Pack one tensor per slot into `flat` (padded_numel,) at the slots' offsets (x scale),

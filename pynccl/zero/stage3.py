@@ -13,6 +13,8 @@ in flight, and its memory is released (storage resized to 0) right after. For ba
     gradients into full.grad; its post-accumulate hook reduce-scatters that flat gradient
     into the shard and frees both the gradient and the parameters.
 The root unit stays gathered from the start of forward until its gradient is ready.
+Where the group has NCCL symmetric memory, the other units gather into a ring of slots in one
+window registered at wrap time (gather_ring.py), so their all-gathers run on the copy engines.
 
 Gradients are reduce-scattered in one fixed order on every rank (descending unit index, the
 root last), not in the order hooks fire: a unit whose hook fires early waits for the units
@@ -40,6 +42,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from ..comm.groups import duplicate_group
 from .flat_unit import ReduceQueue, ShardedUnit
+from .gather_ring import build_gather_ring
 from .layout import FlatLayout
 from .params import ParamInfo, install
 
@@ -97,14 +100,28 @@ class ShardedParamsRuntime:
 
         self._by_storage: Dict[int, ShardedUnit] = {}    # data_ptr of a gathered buffer -> its unit
         self._blocks = [u for u in self.units if u is not self.root]   # the gather order (see below)
+        # The root stays gathered for the whole step: it keeps an ordinary buffer.
+        self.gather_ring, self.gather_ring_reason = build_gather_ring(self._blocks, group)
+        for u in self._blocks:
+            u.gather_ring = self.gather_ring
         self._pos = {u.index: i for i, u in enumerate(self._blocks)}
         self._fwd = 0                                    # next block forward gathers
         self._bwd = len(self._blocks) - 1                # next block backward gathers
         self._end_queued = False
+        # Blocks this forward / backward used, and how far _leave_passed has checked (see there).
+        self._fwd_touched, self._bwd_touched = set(), set()
+        self._fwd_passed, self._bwd_passed = 0, len(self._blocks) - 1
         self.sync_grads = True
         self.in_flight = ReduceQueue(0)               # see _reduce_in_order: drained at the end of backward
         self._ready: Dict[int, torch.Tensor] = {}        # unit index -> full gradient waiting for its turn
         self._cursor = len(self.units) - 1               # next unit index to reduce (descending)
+
+    def describe_gather_ring(self) -> str:
+        ring = self.gather_ring
+        if ring is None:
+            return f"ordinary buffers; gather ring {self.gather_ring_reason}"
+        return (f"ring of {len(ring)} slots of {ring.slot_bytes / 2 ** 20:.1f} MiB in a symmetric window "
+                f"(block gathers so far: {ring.gathers}, {ring.spilled} in ordinary buffers)")
 
     def mark_stale(self) -> None:
         """Every unit re-gathers before it is used next (its shard may have changed)."""
@@ -122,14 +139,15 @@ class ShardedParamsRuntime:
     def _start_gather(self, unit: ShardedUnit) -> None:
         if unit.gather_work is None and not unit.is_current:
             unit.gather()
-            self._by_storage[unit.full.untyped_storage().data_ptr()] = unit
+            if unit.ring_slot is None:                 # a ring slot is found through the ring (pack)
+                self._by_storage[unit.full.untyped_storage().data_ptr()] = unit
 
     def _ensure(self, unit: ShardedUnit) -> None:
         self._start_gather(unit)
         unit.wait_gather()
 
     def _free(self, unit: ShardedUnit) -> None:
-        if unit.is_allocated:
+        if unit.is_allocated and unit.ring_slot is None:
             self._by_storage.pop(unit.full.untyped_storage().data_ptr(), None)
         unit.free()
         self._install_placeholders(unit)
@@ -181,6 +199,8 @@ class ShardedParamsRuntime:
             self._ensure(self.root)
             self._use_full(self.root)
         self._fwd = 0
+        self._fwd_touched.clear()
+        self._fwd_passed = 0
         self._forward_gather_to(0, free_passed=False)  # the first block is gathering while the root runs
 
     @torch._disable_dynamo
@@ -189,8 +209,10 @@ class ShardedParamsRuntime:
         if _in_backward():                             # recomputation (activation checkpointing)
             self._queue_end()
             self._backward_gather_to(pos)
+            self._leave_passed(unit, pos, backward=True)
         else:
             self._forward_gather_to(pos, free_passed=True)
+            self._leave_passed(unit, pos, backward=False)
         self._ensure(unit)                             # a unit run again (or out of order) gathers again
         self._use_full(unit)
         if not _in_backward():
@@ -236,12 +258,15 @@ class ShardedParamsRuntime:
             self._ready.clear()
             self._cursor = len(self.units) - 1
             self._bwd = len(self._blocks) - 1
+            self._bwd_touched.clear()
+            self._bwd_passed = len(self._blocks) - 1
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _pre_backward(self, unit: ShardedUnit, *unused) -> None:
         self._queue_end()
         pos = self._pos[unit.index]
         self._backward_gather_to(pos)
+        self._leave_passed(unit, pos, backward=True)
         self._ensure(unit)
         # A checkpoint around the module's forward (not its __call__, as HF's layers do) recomputes
         # it without running our forward hooks: the parameters must already be in place, as
@@ -249,6 +274,27 @@ class ShardedParamsRuntime:
         with torch.enable_grad():
             self._use_full(unit)
         self._backward_gather_to(pos - 1)              # prefetch
+
+    def _leave_passed(self, unit: ShardedUnit, pos: int, backward: bool) -> None:
+        """Forward (backward) reached block `pos`: blocks before it in that walk that it never
+        used were skipped by this rank (other ranks may run them). A skipped block that was
+        already gathered (prefetched) stays gathered as before, but out of the gather ring (a
+        copy), so it holds no slot longer here than on the ranks that run it and every rank
+        keeps taking the same slots (gather_ring.py)."""
+        touched = self._bwd_touched if backward else self._fwd_touched
+        touched.add(unit.index)
+        step = -1 if backward else 1
+        cursor = self._bwd_passed if backward else self._fwd_passed
+        while (cursor - pos) * step < 0:
+            passed = self._blocks[cursor]
+            if passed.index not in touched and passed.ring_slot is not None:
+                passed.leave_ring()
+                self._by_storage[passed.full.untyped_storage().data_ptr()] = passed
+            cursor += step
+        if backward:
+            self._bwd_passed = cursor
+        else:
+            self._fwd_passed = cursor
 
     def _post_backward(self, unit: ShardedUnit, full: torch.Tensor) -> None:
         self._queue_end()
@@ -293,24 +339,31 @@ class ShardedParamsRuntime:
         self.in_flight.drain()
 
     # ------------------------------------------------------------------ saved tensors
+    # NOTE: the offset is kept relative to the unit's buffer: a unit re-gathered for backward
+    # may land in another ring slot, or in its own storage.
     def pack(self, t: torch.Tensor):
-        if self._by_storage and t.layout == torch.strided:
-            unit = self._by_storage.get(t.untyped_storage().data_ptr())
+        if (self._by_storage or self.gather_ring is not None) and t.layout == torch.strided:
+            ptr = t.untyped_storage().data_ptr()
+            unit = self._by_storage.get(ptr)
+            if unit is None and self.gather_ring is not None:
+                unit = self.gather_ring.owner_at(t, ptr)
             if unit is not None and t.dtype == unit.full.dtype:
-                return (unit, t.storage_offset(), t.size(), t.stride())
+                return (unit, t.storage_offset() - unit.full.storage_offset(), t.size(), t.stride())
         return t
 
     def unpack(self, packed):
         if type(packed) is tuple:
             unit, offset, size, stride = packed
             self._ensure(unit)
-            return unit.full.detach().as_strided(size, stride, offset)
+            full = unit.full.detach()
+            return full.as_strided(size, stride, full.storage_offset() + offset)
         return packed
 
     # ------------------------------------------------------------------ introspection
     def held_tensors(self) -> dict:
         """Tensors this runtime holds, by role (for memory accounting)."""
-        return {"params_full": [u.full for u in self.units], "params_shard": [u.shard for u in self.units],
+        ring = self.gather_ring.tensors() if self.gather_ring is not None else []
+        return {"params_full": [u.full for u in self.units] + ring, "params_shard": [u.shard for u in self.units],
                 "grads_unreduced": [u.full.grad for u in self.units] + list(self._ready.values()),
                 "grads_in_flight": self.in_flight.buffers(),
                 "grads_shard": [g for u in self.units for g in u.grads]}
