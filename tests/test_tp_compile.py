@@ -7,6 +7,7 @@ whole: no graph break, one graph, the expected collectives in each of the forwar
 graphs; the compiled loss, output and every gradient equal eager pynccl TP's and the unwrapped
 single-process model's (the matching shard of it) within the fp32 rounding of the model's
 reductions (tests/numerics.py). torch.library.opcheck holds each op's fake against the real op.
+On 2 GPUs the same checks run on NCCL under inductor.
 """
 import collections
 import copy
@@ -50,12 +51,15 @@ def _graph_recorder():
     return aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward")), seen
 
 
-def _compiled(model):
-    """The model compiled whole, from a reset dynamo; returns it and the graphs' op counts."""
+def _compiled(model, backend):
+    """The model compiled whole, from a reset dynamo; returns it and the graphs' op counts
+    (backend "record": aot_eager recording them; else None)."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    backend, seen = _graph_recorder()
+    seen = None
+    if backend == "record":
+        backend, seen = _graph_recorder()
     return torch.compile(model, backend=backend), seen
 
 
@@ -63,6 +67,8 @@ def _no_breaks(seen, what, fw_ops, bw_ops):
     from torch._dynamo.utils import counters
     assert not counters["graph_break"], f"{what}: graph breaks {dict(counters['graph_break'])}"
     assert counters["stats"]["unique_graphs"] == 1, f"{what}: {counters['stats']['unique_graphs']} graphs"
+    if seen is None:
+        return
     assert len(seen["forward"]) == 1 and len(seen["backward"]) == 1, f"{what}: {seen}"
     assert seen["forward"][0] == fw_ops, f"{what}: forward graph ops {seen['forward'][0]} != {fw_ops}"
     assert seen["backward"][0] == bw_ops, f"{what}: backward graph ops {seen['backward'][0]} != {bw_ops}"
@@ -75,17 +81,17 @@ def _close(actual, expected, what, tol):
     assert_within(actual, expected.to(actual.dtype), tol * expected.detach().abs().max().item(), what)
 
 
-def _llama_case(group, sequence_parallel):
+def _llama_case(group, sequence_parallel, device="cpu", backend="record"):
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    attention_dropout=0.0, use_cache=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(cfg)
+    ref = transformers.LlamaForCausalLM(cfg).to(device)
     plan = tp.plans.llama(sequence_parallel=sequence_parallel)
     eager = tp.parallelize_module(copy.deepcopy(ref), group, plan)
-    compiled, seen = _compiled(tp.parallelize_module(copy.deepcopy(ref), group, plan))
-    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    compiled, seen = _compiled(tp.parallelize_module(copy.deepcopy(ref), group, plan), backend)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)).to(device)
     what = f"llama sp={sequence_parallel}"
     ref_out = ref(input_ids=x, labels=x)
     ref_out.loss.backward()
@@ -117,13 +123,13 @@ def _llama_case(group, sequence_parallel):
         _close(p.grad, q.grad, f"{what}: grad of {name} vs eager TP", LLAMA_TOL)
 
 
-def _block_case(group, sequence_parallel):
+def _block_case(group, sequence_parallel, device="cpu", backend="record"):
     torch.manual_seed(0)
-    ref = TransformerBlock(H, HEADS, FFN)
+    ref = TransformerBlock(H, HEADS, FFN, device=device)
     eager = tp.ParallelTransformerBlock.from_module(ref, group, sequence_parallel)
-    compiled, seen = _compiled(tp.ParallelTransformerBlock.from_module(ref, group, sequence_parallel))
-    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1))
-    dy = torch.randn(S, B, H, generator=torch.Generator().manual_seed(2))
+    compiled, seen = _compiled(tp.ParallelTransformerBlock.from_module(ref, group, sequence_parallel), backend)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(1)).to(device)
+    dy = torch.randn(S, B, H, generator=torch.Generator().manual_seed(2)).to(device)
 
     def local(t):
         return t.chunk(group.world_size, 0)[group.group_rank] if sequence_parallel else t
@@ -182,14 +188,39 @@ def _opcheck_case(group):
         torch.ops.pynccl.all_reduce(x, "sum", "nope")
 
 
-def _case(rank, world):
+def _case(rank, world, device="cpu", backend="record", models=("block", "llama")):
     group = pynccl.get_default_group()
-    _opcheck_case(group)
+    if backend == "record":
+        _opcheck_case(group)
+    if device != "cpu":
+        device = pynccl.get_device(group)
+        torch.backends.cuda.matmul.allow_tf32 = False   # fp32 means fp32: the bounds are fp32's
+        torch.backends.cudnn.allow_tf32 = False
     for sp in (False, True):
-        _block_case(group, sp)
-        _llama_case(group, sp)
+        if "block" in models:
+            _block_case(group, sp, device, backend)
+        if "llama" in models:
+            _llama_case(group, sp, device, backend)
     return True
 
 
+@pytest.mark.numerics
 def test_tp_compiles_without_graph_breaks():
     assert run_multiprocess(_case, 2, timeout=900) == [True, True]
+
+
+@pytest.mark.numerics
+def test_tp_block_compiles_with_inductor_on_cpu():
+    """inductor's C++ code around the ops (extern calls, its buffer reuse around them) on the
+    Megatron block, with and without sequence parallelism (~1 min: inductor compiles C++)."""
+    assert run_multiprocess(_case, 2, timeout=900, kwargs=dict(backend="inductor", models=("block",))) == [True] * 2
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp_compiles_with_inductor_on_nccl():
+    """The same models on NCCL, CUDA tensors, compiled by inductor (the custom ops become extern
+    calls in its code): no graph break, one graph, the same fp32 bounds against eager TP and the
+    unwrapped model."""
+    assert run_multiprocess(_case, 2, backend="nccl", start_method="spawn", timeout=900,
+                            kwargs=dict(device="cuda", backend="inductor")) == [True, True]
