@@ -75,7 +75,7 @@ def groups(n):
         "gpu1": [("gpu1", 300, f"CUDA_VISIBLE_DEVICES=0 {TESTS} -m gpu tests")],
         "multigpu": multigpu,
         "interop": [("interop", 240, f"{tests} tests/test_interop.py")],
-        "tpplan": [("tp_plan_tests", 300, f"{TESTS} -m multigpu tests/test_tp_plan_gpu.py")],
+        "tpplan": [("tp_plan_tests", 420, f"{TESTS} -m multigpu tests/test_tp_plan_gpu.py tests/test_tp_compile.py")],
         "zerotests": [("zero_tests", 200, f"{tests} tests/test_zero_gpu.py")],
         "ppgraphtests": [("pp_graph_tests", 200, f"{tests} tests/test_pipeline_graphs_gpu.py")],
         # Faults: every NCCL wait bounded (N ranks, 10 s group timeout), the one-GPU time-out tests.

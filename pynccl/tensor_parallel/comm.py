@@ -10,6 +10,11 @@ sequence ops also take seq_dim (1 for Hugging Face's [b, s, h], see plan.py): th
 to the front around the collective, one copy each way unless the dims before it have size 1.
 
 At TP size 1 every op returns its input untouched: no collective, no copy.
+
+Under torch.compile the collectives are pynccl's custom ops (comm/functional_collectives.py), so
+dynamo traces these functions, forward and backward, with no graph break; eager calls take the
+direct path. The one difference traced: _ColumnParallelLinear's backward cannot hold async Work
+objects, so its collectives run in order there (the graph's scheduler may still reorder them).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from typing import Sequence, Tuple
 import torch
 
 from ..comm import distributed as dist
+from ..comm import functional_collectives as fc
 
 
 def _tp_size(group) -> int:
@@ -25,10 +31,9 @@ def _tp_size(group) -> int:
 
 
 def _all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum over the group, in place where x is contiguous (else on a contiguous copy)."""
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    """Sum over the group, in place where x is contiguous (else on a contiguous copy; traced, a new
+    tensor)."""
+    return fc.all_reduce(x.contiguous(), group)
 
 
 def _all_gather_seq(x: torch.Tensor, group, seq_dim: int = 0, async_op: bool = False):
@@ -38,10 +43,7 @@ def _all_gather_seq(x: torch.Tensor, group, seq_dim: int = 0, async_op: bool = F
     if seq_dim != 0:
         out = _all_gather_seq(x.movedim(seq_dim, 0), group, 0, async_op)
         return (out[0].movedim(0, seq_dim), out[1]) if async_op else out.movedim(0, seq_dim)
-    x = x.contiguous()
-    out = torch.empty((_tp_size(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
-    return (out, work) if async_op else out
+    return fc.all_gather(x, group, async_op)
 
 
 def _check_seq_divisible(what: str, x: torch.Tensor, tp_size: int, seq_dim: int):
@@ -58,10 +60,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group, seq_dim: int = 0, async_op: bool
     if seq_dim != 0:
         out = _reduce_scatter_seq(x.movedim(seq_dim, 0), group, 0, async_op)
         return (out[0].movedim(0, seq_dim), out[1]) if async_op else out.movedim(0, seq_dim)
-    x = x.contiguous()
-    out = torch.empty((x.shape[0] // tp_size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.reduce_scatter_tensor(out, x, group=group, async_op=async_op)
-    return (out, work) if async_op else out
+    return fc.reduce_scatter(x, group, async_op)
 
 
 def _split_seq(x: torch.Tensor, group, seq_dim: int = 0) -> torch.Tensor:
@@ -101,6 +100,9 @@ class _CopyToRegion(torch.autograd.Function):
     def backward(ctx, grad):
         # NOTE: out of place. Autograd may hand the same tensor to several places: in f(x) + w the
         # add's backward passes one grad to both, and w.grad may be that very tensor (issue #18).
+        # Traced, the op's result is already a new tensor.
+        if torch.compiler.is_compiling():
+            return _all_reduce_(grad, ctx.group), None
         return _all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
@@ -109,7 +111,9 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, inplace):
-        return _all_reduce_(x if inplace else x.clone(memory_format=torch.contiguous_format), group)
+        # Traced, the op returns a new tensor anyway: no clone first.
+        keep = inplace or torch.compiler.is_compiling()
+        return _all_reduce_(x if keep else x.clone(memory_format=torch.contiguous_format), group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -202,8 +206,7 @@ class _AllReduceGradsInBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         # NOTE: grads of unused params arrive as zeros (materialize_grads), so every rank
         # reduces the same sizes.
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=ctx.group)
+        flat = fc.all_reduce(torch.cat([g.reshape(-1) for g in grads]), ctx.group)
         out = [chunk.view_as(g).to(g.dtype) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
         return (None, *out)
 
@@ -242,7 +245,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
             if ctx.sequence_parallel:
                 dx, work = _reduce_scatter_seq(dx, ctx.group, ctx.seq_dim, async_op=True)  # -> (s/tp, b, in)
             else:
-                work = dist.all_reduce(dx, group=ctx.group, async_op=True)
+                dx, work = fc.all_reduce_async(dx, ctx.group)
         dw = db = None
         if need_dw:
             if gather_work is not None:

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..comm import distributed as dist
-from ..comm.reduce_op import ReduceOp
+from ..comm import functional_collectives as fc
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -32,7 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits[..., vocab_per_rank - num_padded:] = float("-inf")
         logits_max = logits.amax(dim=-1)  # (N,)
         if tp_size > 1:
-            dist.all_reduce(logits_max, op=ReduceOp.MAX, group=group)
+            logits_max = fc.all_reduce(logits_max, group, "max")
         shifted = logits - logits_max.unsqueeze(-1)  # (N, V/tp), new buffer: the input stays intact
 
         in_range = (target >= vocab_start) & (target < vocab_start + vocab_per_rank)  # (N,)
@@ -41,7 +41,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp_()
         stats = torch.stack([target_logit, exp.sum(dim=-1)])  # (2, N): one collective for both sums
         if tp_size > 1:
-            dist.all_reduce(stats, group=group)
+            stats = fc.all_reduce(stats, group)
         target_logit, sum_exp = stats[0], stats[1]
 
         ignored = target == ignore_index
