@@ -352,6 +352,14 @@ def _torch_code_after_pynccl_init(rank, ws):
     for w in theirs:
         w.wait()
     assert b.tolist() == [prv + 1.0] * 3
+    return True
+
+
+def _work_wait_and_groups_on_nccl(rank, ws):
+    """pynccl's side of torch's semantics on NCCL: Work.wait(timedelta) bounded on the host, an
+    async barrier, new_group's NON_GROUP_MEMBER."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    pynccl.barrier()                 # both ranks leave within ms of each other: rank 1's sleep delays its op
     if rank == 1:
         time.sleep(3.0)
     z = torch.ones(2, device=dev)
@@ -377,3 +385,10 @@ def _torch_code_after_pynccl_init(rank, ws):
 def test_torch_code_after_pynccl_init_multi_gpu():
     assert run_multiprocess(_torch_code_after_pynccl_init, 2, backend="nccl", start_method="spawn",
                             timeout=120) == [True, True]
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_work_wait_and_groups_multi_gpu():
+    assert run_multiprocess(_work_wait_and_groups_on_nccl, 2, backend="nccl", start_method="spawn",
+                            timeout=90) == [True, True]

@@ -141,15 +141,18 @@ class RowwiseParallel(ParallelStyle):
         set_forward(module, self, forward)
 
 
-_MISSING = object()
-
 
 def _swap_in(places, tensors):
-    """Make each (submodule, attr) read the given tensor; returns what to restore."""
+    """Make each (submodule, attr) read the given tensor; returns what to restore: (the dict the
+    attribute is read from, attr, its old value). Where something shadows the Parameter in the
+    module's __dict__ (what ZeRO installs) that entry is swapped, else the `_parameters` entry.
+    NOTE: never adds or deletes a key, only replaces values: dynamo (torch 2.11) cannot trace a
+    `del module.__dict__[attr]` (a graph break per call under torch.compile)."""
     saved = []
     for (sub, attr), t in zip(places, tensors):
-        saved.append((sub, attr, sub.__dict__.get(attr, _MISSING)))
-        sub.__dict__[attr] = t  # shadows _parameters (or what ZeRO installed) for this call
+        where = sub.__dict__ if attr in sub.__dict__ else sub._parameters
+        saved.append((where, attr, where[attr]))
+        where[attr] = t
     return saved
 
 
@@ -179,11 +182,8 @@ class SequenceParallel(ParallelStyle):
             try:
                 return inner(*args, **kwargs)
             finally:
-                for sub, attr, old in saved:
-                    if old is _MISSING:
-                        del sub.__dict__[attr]
-                    else:
-                        sub.__dict__[attr] = old
+                for where, attr, old in saved:
+                    where[attr] = old
 
         set_forward(module, self, forward)
 
