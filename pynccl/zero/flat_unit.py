@@ -234,7 +234,7 @@ class ShardedUnit:
         with torch.no_grad():
             if s is not None:
                 self.ring_slot = s
-                self.full.data = self.gather_ring.view(s, self.layout.padded_numel, self.compute_dtype)
+                self.full.data = self.gather_ring.view(s, nbytes, self.compute_dtype)
             else:
                 self.full.data = self._own_full
                 self.full.untyped_storage().resize_(self._full_nbytes)

@@ -92,9 +92,9 @@ class GatherRing:
             raise RuntimeError(f"GatherRing: slot {s} is held by {self.occupants[s]!r}, not by {owner!r}")
         self.occupants[s] = None
 
-    def view(self, s: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Slot s as (numel,) of dtype (slots start 4096-aligned: any dtype's view is aligned)."""
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    def view(self, s: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first `nbytes` of slot s as a 1-D tensor of dtype (slots start 4096-aligned: any
+        dtype's view is aligned)."""
         return self.slots[s][:nbytes].view(dtype)
 
     def owner_at(self, t: torch.Tensor, storage_ptr: Optional[int] = None):
@@ -107,9 +107,6 @@ class GatherRing:
             if start <= byte < start + self.slot_bytes:
                 return self.occupants[s]
         return None
-
-    def tensors(self) -> List[torch.Tensor]:
-        return list(self.slots)
 
 
 def build_gather_ring(blocks, group):

@@ -16,13 +16,11 @@ whole on every rank: their Shard(0) chunk is a view, no communication.
 """
 from __future__ import annotations
 
-import weakref
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 import torch
-import torch.distributed as tdist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from ..comm import distributed as dist
 from ..comm.dtensor_state import device_mesh, same_ranks, to_dtensor, whole_of  # noqa: F401 - re-exported

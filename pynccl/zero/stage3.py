@@ -362,7 +362,7 @@ class ShardedParamsRuntime:
     # ------------------------------------------------------------------ introspection
     def held_tensors(self) -> dict:
         """Tensors this runtime holds, by role (for memory accounting)."""
-        ring = self.gather_ring.tensors() if self.gather_ring is not None else []
+        ring = list(self.gather_ring.slots) if self.gather_ring is not None else []
         return {"params_full": [u.full for u in self.units] + ring, "params_shard": [u.shard for u in self.units],
                 "grads_unreduced": [u.full.grad for u in self.units] + list(self._ready.values()),
                 "grads_in_flight": self.in_flight.buffers(),
