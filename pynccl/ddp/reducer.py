@@ -292,13 +292,18 @@ class Reducer:
         """A joined rank's part in one backward of the ranks still training (join.py): each
         bucket's reduction, of zeros, through the same hook and in the same order, then the
         used-map all-reduce where they run one (_globally_unused)."""
-        handles, last = [], len(self.bucketer.buckets) - 1
+        handles, packed, last = [], [], len(self.bucketer.buckets) - 1
         for b in self.bucketer.buckets:
             zeros = torch.zeros_like(b.extra["result"])
             if self.fused_comm is not None:
-                # NOTE: the communicator reduce_bucket runs on elsewhere, called the same way
-                # (past the collective check, which reduce_bucket does not go through either).
-                handles.append(comm_hooks._Pending(self.fused_comm.all_reduce(zeros, ReduceOp.SUM, True), zeros))
+                # NOTE: the very call the training ranks make (reduce_bucket, into the bucket's own
+                # wire), with zeros packed in: a wire in a symmetric window runs NCCL's symmetric
+                # kernel and a split bucket two collectives, and a joined rank that all-reduced a
+                # plain buffer instead would run another algorithm than its peers (a hang on NCCL).
+                work = self.fused_comm.reduce_bucket([zeros], b.extra["wire"], 1.0, self.pack_stream.cuda_stream,
+                                                     self.comm_path.split_all_reduce)
+                handles.append(comm_hooks._Pending(work, b.extra["result"]))
+                packed.append(zeros)         # read on the pack stream: alive until the waits below
             elif self.builtin_hook:
                 handles.append(comm_hooks.sum_all_reduce(self.hook_state, zeros))
             else:
