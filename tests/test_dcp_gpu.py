@@ -44,6 +44,15 @@ def _zero(stage):
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
+def _devices(sd, path="") -> dict:
+    """path -> device type of every tensor in a nested state dict."""
+    if isinstance(sd, dict):
+        return {k: v for key, item in sd.items() for k, v in _devices(item, f"{path}/{key}").items()}
+    if isinstance(sd, list):
+        return {k: v for i, item in enumerate(sd) for k, v in _devices(item, f"{path}/{i}").items()}
+    return {path: sd.device.type} if isinstance(sd, torch.Tensor) else {}
+
+
 def _interop(rank, ws, root):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -60,6 +69,9 @@ def _interop(rank, ws, root):
     net, net_opt = _fsdp2(device)
     load(net, net_opt, os.path.join(root, "zero3"))
     assert_equal_nested(whole(get_sd(net, net_opt, FULL)), saved, "zero3 -> FSDP2")
+    for options in (FULL, StateDictOptions(full_state_dict=True, cpu_offload=True)):
+        ours, theirs = _devices(get_sd(model, opt, options)), _devices(get_sd(net, net_opt, options))
+        assert ours == theirs, f"{options}: devices of the full state dicts differ from FSDP2's: {ours} vs {theirs}"
     ours = run_steps(model, opt, range(SAVED_AT, STEPS), rank, ws, device)
     theirs = run_steps(net, net_opt, range(SAVED_AT, STEPS), rank, ws, device)
     torch.testing.assert_close(torch.tensor(theirs), torch.tensor(ours), rtol=0, atol=LOSS_TOL,

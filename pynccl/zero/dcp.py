@@ -104,11 +104,17 @@ def get_model_state_dict(model, *, submodules=None, options: Optional[StateDictO
         if options.ignore_frozen_params:
             frozen = {n for i in model._param_infos if not i.requires_grad for n in i.names}
             full = type(full)((k, v) for k, v in full.items() if k not in frozen)
-        return full
+        return full if options.cpu_offload else type(full)((k, _to(v, model.device)) for k, v in full.items())
     out = sharded_model_state_dict(model, options.ignore_frozen_params)
     if options.cpu_offload:
         out = type(out)((k, _to_cpu(v)) for k, v in out.items())
     return out
+
+
+def _to(v, device):
+    """full_state_dict without cpu_offload: torch's whole tensors stay on the device (ours are
+    consolidated on the CPU, one unit at a time, and go back there)."""
+    return v.to(device) if isinstance(v, torch.Tensor) else v
 
 
 def _to_cpu(v):
@@ -201,12 +207,23 @@ def get_optimizer_state_dict(model, optimizers: Optimizers, *, submodules=None,
     init_optim_state(optimizer)
     if options.full_state_dict:
         out = sd.full_optim_state_dict(model, optimizer, rank0_only=options.cpu_offload)
+        if out and not options.cpu_offload:
+            out["state"] = _optim_state_on_device(model, optimizer, out["state"])
         out = _index_to_names(model, out) if out else out
     else:
         out = sharded_optim_state_dict(model, optimizer)
         if options.cpu_offload:
             out["state"] = {k: {kk: _to_cpu(vv) for kk, vv in st.items()} for k, st in out["state"].items()}
     return flatten_optim_state_dict(out) if options.flatten_optimizer_state_dict and out else out
+
+
+def _optim_state_on_device(model, optimizer, state: dict) -> dict:
+    """full_state_dict without cpu_offload, as torch's: per-element entries on the device, `step`
+    where the optimizer keeps it (AdamW: on the CPU unless fused or capturable)."""
+    steps = [st["step"].device for st in optimizer.state.values() if isinstance(st.get("step"), torch.Tensor)]
+    step_device = steps[0] if steps else model.device
+    return {i: {k: _to(v, step_device if k == "step" else model.device) for k, v in st.items()}
+            for i, st in state.items()}
 
 
 def flatten_optim_state_dict(osd: dict) -> dict:
