@@ -222,3 +222,32 @@ def test_floor_rows_train_as_one_process_and_the_summary_divides_the_printed_num
     assert (step_p, step_t) == (ms[("tp", "pynccl TP", "eager", "tp2")], ms[("tp", "DTensor TP", "eager", "tp2")])
     assert abs(scale_p - step_p / one) <= quotient_err(step_p, one)
     assert abs(scale_t - step_t / one) <= quotient_err(step_t, one)
+
+
+def test_floor_rows_pair_only_with_floors():
+    """A floor trains one replica's batch: its loss is checked against the other side's floor (and its
+    own eager floor), never against a pair row; a pair's ratios and costs take the pair's rows and
+    its own side's floor (zero3) or the plain model both sides share (ddp)."""
+    from train_bench_lib import report
+
+    def row(strategy, impl, ms, loss, layout="dp2", floor=False):
+        return dict(strategy=strategy, impl=impl, layout=layout, median_ms=ms, loss=loss, compiled=False,
+                    **(dict(floor=True) if floor else {}))
+    rows = [row("zero3", "pynccl", 30.0, 2.00), row("zero3", "torch", 40.0, 2.01),
+            row("zero3", "pynccl", 20.0, 1.50, "1", True), row("zero3", "torch", 24.0, 1.60, "1", True),
+            row("ddp", "pynccl", 12.0, 2.0), row("ddp", "torch", 11.0, 2.0), row("ddp", "plain", 10.0, 1.5, "1", True)]
+    assert report.loss_problems(rows, 0.02) == [
+        "zero3: pynccl floor eager loss 1.5000 vs torch floor eager 1.6000, more than 2% apart"]
+    report.add_ratios(rows)
+    zp, zt, dp, dt = rows[0], rows[1], rows[4], rows[5]
+    assert (zp["ms_vs_torch"], zp["floor_ms"], zp["cost_over_floor_ms"]) == (0.75, 20.0, 10.0)
+    assert zt["cost_over_floor_ms"] == 16.0
+    assert zp["cost_vs_torch"] == 10.0 / 16.0 and "ms_vs_torch" not in rows[2]
+    assert (dp["floor_ms"], dp["cost_over_floor_ms"], dt["cost_over_floor_ms"]) == (10.0, 2.0, 1.0)
+    assert dp["cost_vs_torch"] == 2.0
+    assert report.floor_lines(rows) == [
+        "# floor zero3 eager: floor pynccl 20.00 ms, torch 24.00 ms; cost over floor pynccl +10.00 ms, "
+        "torch +16.00 ms; pynccl cost / torch cost 0.625",
+        "# floor ddp eager: floor (plain model) 10.00 ms; cost over floor pynccl +2.00 ms, torch +1.00 ms; "
+        "pynccl cost / torch cost 2.000"]
+    assert report.runs_as("ddp", "plain", "1") == report.ONE_GPU_TORCH

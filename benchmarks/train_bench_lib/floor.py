@@ -76,12 +76,14 @@ def run(ctx: BenchContext, strategy: str, groups: FloorGroups, run_one: Callable
     if not sides(strategy):
         return []
     rows = []
-    if ctx.rank == 0:
-        fctx = floor_context(ctx, groups)
-        runs = {impl: [] for impl in sides(strategy)}
-        for _ in range(repeats):
-            for impl in runs:
-                runs[impl].append(run_one(fctx, strategy, impl))
-        rows = [dict(pool(r), floor=True) for r in runs.values()]
-    tdist.barrier(group=groups.wait)
+    try:
+        if ctx.rank == 0:
+            fctx = floor_context(ctx, groups)
+            runs = {impl: [] for impl in sides(strategy)}
+            for _ in range(repeats):
+                for impl in runs:
+                    runs[impl].append(run_one(fctx, strategy, impl))    # a failed build is an error row
+            rows = [dict(pool(r), floor=True) for r in runs.values()]
+    finally:
+        tdist.barrier(group=groups.wait)      # NOTE: reached even if rank 0 raises: the others never wait 3 h
     return rows
