@@ -155,6 +155,13 @@ def groups(n):
                                                  "--warmup 3 --steps 10", cap=270),
                     _train(1, "llama1b_1gpu", f"{L1B} --batch 4 --strategy tp --compile both --warmup 3 --steps 10",
                            cap=120)],
+        # Issue 27's targets in one run each (--floor: rank 0 alone trains the no-communication floor after
+        # each pair): TP's step over the one-GPU step (<= 0.6 at tp 2), and ZeRO-3's cost over its own
+        # world-size-1 floor against FSDP2's (<= 0.5), eager and compiled per block.
+        "tpscale": [_train(n, "llama1b_tpscale", f"{L1B} --batch 4 --strategy tp --compile both --floor --warmup 3 "
+                                                 "--steps 8", cap=480)],
+        "zero3floor": [_train(n, "llama1b_zero3floor", f"{L1B} --batch 4 --strategy zero3 --compile both --floor "
+                                                       "--warmup 3 --steps 8", cap=540)],
         "nanogpt": [("nanogpt", 300, f"python3 benchmarks/nanogpt_swap.py --nproc {n} --json {{out}}/nanogpt.json "
                                      "--variants torch-ddp,pynccl-ddp,zero3,zero1,zero2 --timeout 150 "
                                      "--run-dir {out}/nanogpt_runs")],

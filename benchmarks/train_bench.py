@@ -37,6 +37,13 @@ batch × seq × dp / step time; tok/s/GPU divides by the world size, and MFU is 
 peak; n/a on an unknown GPU, on CPU and in fp32). Every step uses the same batch (per replica):
 the loss falls, and the two sides' losses compare (equal in fp32, within bf16 noise in bf16); so do
 a side's compiled and eager losses. Losses further apart than --loss-rtol are printed as PROBLEM.
+
+--floor: after each pair (strategy, mode), rank 0 alone trains its no-communication floor while the
+others wait (train_bench_lib/floor.py): for zero1/2/3 each side's own wrapper over a 1-rank group
+(pynccl FullyShardedDataParallel; FSDP2 over a 1-rank DeviceMesh; DDP + ZeroRedundancyOptimizer),
+for ddp and tp the plain model, built and compiled as the pair. The floor rows (layout 1) follow the
+pair's; the summary prints per pair the floor, each side's cost over it and pynccl's cost over
+torch's (cost_vs_torch), or for tp each side's step over the one-GPU step (scaling, target <= 0.6).
 """
 from __future__ import annotations
 
@@ -54,12 +61,12 @@ import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 
 import pynccl  # noqa: E402
-from train_bench_lib import compile_recipes, mfu, pynccl_runners, report, timeline, torch_runners  # noqa: E402
+from train_bench_lib import compile_recipes, floor, mfu, pynccl_runners, report, timeline, torch_runners  # noqa: E402
 from train_bench_lib.harness import free_device_memory, measure, pool  # noqa: E402
 from train_bench_lib.models import (DEFAULTS, MODELS, STRATEGIES, BenchContext, hf_config,  # noqa: E402
                                     layout_of, num_params, parse_strategies, preload)
 
-RUNNERS = {"pynccl": pynccl_runners.build, "torch": torch_runners.build}
+RUNNERS = {"pynccl": pynccl_runners.build, "torch": torch_runners.build, "plain": torch_runners.plain}
 
 
 def parse_args(argv=None):
@@ -89,6 +96,10 @@ def parse_args(argv=None):
                    help="AdamW implementation (auto: fused on GPU, foreach on CPU)")
     p.add_argument("--zero12-optim-impl", choices=["same", "fused", "foreach", "for-loop"], default="same",
                    help="AdamW of pynccl ZeRO stages 1/2 (default 'same': follows --optim-impl)")
+    p.add_argument("--floor", action="store_true",
+                   help="after each pair, rank 0 alone runs its no-communication floor at world size 1 "
+                        "(zero*: each side's wrapper over a 1-rank group; ddp, tp: the plain model); the summary "
+                        "adds each side's cost over it and their ratio, or TP's step over the one-GPU step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn when not under torchrun")
@@ -160,7 +171,7 @@ def header(ctx: BenchContext) -> dict:
     return dict(torch=torch.__version__, transformers=transformers.__version__, nccl_runtime=nccl,
                 torch_nccl=torch_runners.torch_nccl_version(), device=gpu, world_size=ctx.world_size,
                 flops_per_token=mfu.hf_flops_per_token(hf_config(args), args.seq), peak_bf16_flops=peak,
-                compile=args.compile, compile_backend=args.compile_backend,
+                compile=args.compile, compile_backend=args.compile_backend, floor=args.floor,
                 model=args.model, params=num_params(hf_config(args)), batch=args.batch, steps=args.steps,
                 warmup=args.warmup, microbatches=args.microbatches, dtype=args.dtype, optim=args.optim_impl,
                 zero12_optim=args.optim_impl if args.zero12_optim_impl == "same" else args.zero12_optim_impl, **sizes)
@@ -227,6 +238,12 @@ def worker(rank, world_size, args):
         print_header(h)
         print(report.HEADER, flush=True)
     rows = []
+    groups = floor.make_groups() if args.floor else None     # collective: every rank, once
+    if ctx.rank == 0 and args.floor:
+        none = [s for s in args.strategies if not floor.sides(s)]
+        if none:
+            print(f"# floor: none for {', '.join(none)} (a rank's share of a pipeline or a 2-D mesh is not a "
+                  f"world-size-1 run)", flush=True)
     for strategy in args.strategies:
         for compiled in args.modes:
             if strategy.endswith("-async") and not compiled and len(args.modes) > 1:
@@ -242,11 +259,17 @@ def worker(rank, world_size, args):
                 rows.append(add_throughput(pool(runs[impl]), ctx.world_size, h))
                 if ctx.rank == 0:
                     print(report.format_row(rows[-1]), flush=True)
+            if args.floor:
+                for row in floor.run(mode_ctx, strategy, groups, run_one, args.repeats):
+                    rows.append(add_throughput(row, 1, h))
+                    print(report.format_row(row), flush=True)          # rank 0 only has floor rows
     report.add_ratios(rows)
     if ctx.rank == 0:
         print("\n# summary (ms vs torch: pynccl's median step time over torch's, same mode; wall ms: the timed "
               "steps' wall time / steps, barrier to barrier; breaks: graph breaks while compiling)")
         report.print_table(rows)
+        for line in report.floor_lines(rows):
+            print(line)
         for line in report.loss_problems(rows, args.loss_rtol):
             print("PROBLEM:", line)
         if args.json:

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     problems = []
     print(f"{'run':<22}" + report.HEADER)
     result = None
-    everything = []
+    everything, floors = [], []
     for path in paths:
         run = os.path.splitext(os.path.basename(path))[0]
         with open(path) as f:
@@ -41,10 +41,11 @@ def main(argv=None) -> int:
             if r.get("error"):
                 problems.append(f"{run}: {r['strategy']} {r['impl']} failed: {r['error']}")
         problems += report.loss_problems(rows, args.loss_rtol, prefix=f"{run}: ")
+        floors += [f"# {run}: {line[2:]}" for line in report.floor_lines(rows)]     # --floor runs
         everything += [dict(r, run=run, model_shape=_shape(result)) for r in rows]
     print(f"# {result['world_size']} × {result['device']}, torch {result['torch']} (NCCL {result['torch_nccl']}), "
           f"pynccl NCCL runtime {result['nccl_runtime']}, transformers {result['transformers']} (last file's header)")
-    for line in report.tp_scaling(everything):
+    for line in floors + report.tp_scaling(everything):
         print(line)
     for line in problems:
         print("PROBLEM:", line)

@@ -142,3 +142,112 @@ def test_repeats_pool_the_runs():
     assert pool(runs[:1]) is runs[0]
     failed = dict(error="RuntimeError: x")
     assert pool([runs[0], failed]) is failed
+
+
+def _printed_medians(summary: str) -> dict:
+    """(strategy, runs column, layout) -> the median ms the summary table printed."""
+    import re
+    out = {}
+    for line in summary.splitlines():
+        m = re.match(r"^(\S+)\s+(.+?)\s{2,}(eager|compile\(\w+\))\s+(\S+)\s+[\d,]+\s+[\d,]+\s+\S+\s+([\d.]+)\s", line)
+        if m:
+            out[(m[1], m[2], m[3], m[4])] = float(m[5])
+    return out
+
+
+@pytest.mark.numerics
+def test_floor_rows_train_as_one_process_and_the_summary_divides_the_printed_numbers(tmp_path, capfd):
+    """--floor: after each pair, rank 0 alone trains the floor at world size 1 (zero3: each side's own
+    wrapper over a 1-rank group; tp: the plain model, the one-GPU step). In fp32 a floor trains rank
+    0's batch exactly as one process does (same math, at most other summation orders: REL); the
+    summary's floor, costs, cost ratio and scaling are the printed rows' numbers, to their rounding."""
+    import re
+    out = tmp_path / "floor.json"
+    train_bench.main(["--device", "cpu", "--nproc", "2", "--strategy", "zero3,tp", "--floor", "--json", str(out)]
+                     + TINY)
+    printed = capfd.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["floor"] is True
+    rows = result["rows"]
+    assert [(r["strategy"], r["impl"], r["layout"], bool(r.get("floor"))) for r in rows] == [
+        ("zero3", "pynccl", "dp2", False), ("zero3", "torch", "dp2", False), ("zero3", "pynccl", "1", True),
+        ("zero3", "torch", "1", True), ("tp", "pynccl", "tp2", False), ("tp", "torch", "tp2", False),
+        ("tp", "plain", "1", True)]
+    expected = _single_process_losses("zero3")
+    for r in rows:
+        assert not r.get("error"), f"{r['strategy']} {r['impl']}: {r['error']}"
+        if r.get("floor"):
+            assert r["tokens_per_step"] == 4 * 32 and r["tokens_per_s_gpu"] == r["tokens_per_s"]
+            for step, (a, b) in enumerate(zip(r["losses"], expected)):
+                assert abs(a - b) <= REL * abs(b), f"{r['strategy']} {r['impl']} floor step {step}: {a} vs {b}"
+    assert [r["runs"] for r in rows if r.get("floor")] == ["pynccl ZeRO-3", "FSDP2 (titan wrap)",
+                                                             "plain model (1 GPU)"]
+    pairs = {(r["strategy"], r["impl"]): r for r in rows if not r.get("floor")}
+    floors = {(r["strategy"], r["impl"]): r for r in rows if r.get("floor")}
+    # The JSON: each pair row against its own side's floor (zero3) or the shared plain model (tp).
+    for impl in ("pynccl", "torch"):
+        z, f = pairs[("zero3", impl)], floors[("zero3", impl)]
+        assert (z["floor_ms"], z["cost_over_floor_ms"]) == (f["median_ms"], z["median_ms"] - f["median_ms"])
+        t, one = pairs[("tp", impl)], floors[("tp", "plain")]
+        assert (t["floor_ms"], t["scaling"]) == (one["median_ms"], t["median_ms"] / one["median_ms"])
+    zp, zt = pairs[("zero3", "pynccl")], pairs[("zero3", "torch")]
+    assert zp["cost_vs_torch"] == (zp["cost_over_floor_ms"] / zt["cost_over_floor_ms"]
+                                   if zt["cost_over_floor_ms"] > 0 else None)
+    assert "cost_vs_torch" not in zt and "PROBLEM" not in printed
+
+    # The printed summary: the numbers of its floor lines from the table's (2 decimals, each within
+    # 0.005 of its value; ratios 3 decimals): a difference of two within 0.01 (+0.005 its own
+    # rounding), a quotient a/b within (0.005 + 0.005·|a/b|) / (|b| - 0.005) (+0.0005).
+    summary = printed[printed.index("# summary"):]
+    ms = _printed_medians(summary)
+    def quotient_err(a, b):
+        return (0.005 + 0.005 * abs(a / b)) / (abs(b) - 0.005) + 0.0005 + 1e-9
+    m = re.search(r"# floor zero3 eager: floor pynccl ([\d.]+) ms, torch ([\d.]+) ms; cost over floor pynccl "
+                  r"([+-][\d.]+) ms, torch ([+-][\d.]+) ms; pynccl cost / torch cost (\S+)", summary)
+    assert m, summary
+    floor_p, floor_t, cost_p, cost_t = map(float, m.groups()[:4])
+    assert floor_p == ms[("zero3", "pynccl ZeRO-3", "eager", "1")]
+    assert floor_t == ms[("zero3", "FSDP2 (titan wrap)", "eager", "1")]
+    assert abs(cost_p - (ms[("zero3", "pynccl ZeRO-3", "eager", "dp2")] - floor_p)) <= 0.015 + 1e-9
+    assert abs(cost_t - (ms[("zero3", "FSDP2 (titan wrap)", "eager", "dp2")] - floor_t)) <= 0.015 + 1e-9
+    if zt["cost_over_floor_ms"] > 0.01:
+        assert abs(float(m[5]) - cost_p / cost_t) <= quotient_err(cost_p, cost_t), (m[5], cost_p, cost_t)
+    elif zt["cost_over_floor_ms"] <= 0:
+        assert m[5] == "-"
+    m = re.search(r"# floor tp eager: one GPU ([\d.]+) ms; scaling \(step / one-GPU step, target <= 0.6\): "
+                  r"pynccl ([\d.]+) ms = ([\d.]+), torch ([\d.]+) ms = ([\d.]+)", summary)
+    assert m, summary
+    one, step_p, scale_p, step_t, scale_t = map(float, m.groups())
+    assert one == ms[("tp", "plain model (1 GPU)", "eager", "1")]
+    assert (step_p, step_t) == (ms[("tp", "pynccl TP", "eager", "tp2")], ms[("tp", "DTensor TP", "eager", "tp2")])
+    assert abs(scale_p - step_p / one) <= quotient_err(step_p, one)
+    assert abs(scale_t - step_t / one) <= quotient_err(step_t, one)
+
+
+def test_floor_rows_pair_only_with_floors():
+    """A floor trains one replica's batch: its loss is checked against the other side's floor (and its
+    own eager floor), never against a pair row; a pair's ratios and costs take the pair's rows and
+    its own side's floor (zero3) or the plain model both sides share (ddp)."""
+    from train_bench_lib import report
+
+    def row(strategy, impl, ms, loss, layout="dp2", floor=False):
+        return dict(strategy=strategy, impl=impl, layout=layout, median_ms=ms, loss=loss, compiled=False,
+                    **(dict(floor=True) if floor else {}))
+    rows = [row("zero3", "pynccl", 30.0, 2.00), row("zero3", "torch", 40.0, 2.01),
+            row("zero3", "pynccl", 20.0, 1.50, "1", True), row("zero3", "torch", 24.0, 1.60, "1", True),
+            row("ddp", "pynccl", 12.0, 2.0), row("ddp", "torch", 11.0, 2.0), row("ddp", "plain", 10.0, 1.5, "1", True)]
+    assert report.loss_problems(rows, 0.02) == [
+        "zero3: pynccl floor eager loss 1.5000 vs torch floor eager 1.6000, more than 2% apart"]
+    report.add_ratios(rows)
+    zp, zt, dp, dt = rows[0], rows[1], rows[4], rows[5]
+    assert (zp["ms_vs_torch"], zp["floor_ms"], zp["cost_over_floor_ms"]) == (0.75, 20.0, 10.0)
+    assert zt["cost_over_floor_ms"] == 16.0
+    assert zp["cost_vs_torch"] == 10.0 / 16.0 and "ms_vs_torch" not in rows[2]
+    assert (dp["floor_ms"], dp["cost_over_floor_ms"], dt["cost_over_floor_ms"]) == (10.0, 2.0, 1.0)
+    assert dp["cost_vs_torch"] == 2.0
+    assert report.floor_lines(rows) == [
+        "# floor zero3 eager: floor pynccl 20.00 ms, torch 24.00 ms; cost over floor pynccl +10.00 ms, "
+        "torch +16.00 ms; pynccl cost / torch cost 0.625",
+        "# floor ddp eager: floor (plain model) 10.00 ms; cost over floor pynccl +2.00 ms, torch +1.00 ms; "
+        "pynccl cost / torch cost 2.000"]
+    assert report.runs_as("ddp", "plain", "1") == report.ONE_GPU_TORCH

@@ -6,7 +6,9 @@ holds), and the loss of every step.
 Ranks are combined over the CPU side-channel group (gloo): a step's time is the slowest rank's
 (pipeline ranks finish at different times; the step ends when all have), memory is the largest
 rank's, and a step's loss is the mean over the ranks that computed one (data-parallel replicas;
-tensor-parallel ranks agree; in a pipeline only the last stage has it).
+tensor-parallel ranks agree; in a pipeline only the last stage has it). A trainer of world size 1
+(ctx.world_size; --floor's, run by rank 0 while the others wait) combines nothing: no barrier, no
+collective.
 """
 from __future__ import annotations
 
@@ -47,6 +49,9 @@ def measure(trainer: Trainer, ctx: BenchContext, tokens_per_step: int, base_byte
     wall_ms: the timed steps' wall time / steps, from a barrier before the first to one after the
     last (the throughput view: no per-step maximum over ranks that are out of phase)."""
     cuda = ctx.device.type == "cuda"
+    # NOTE: a floor (world size 1 inside a larger job) must not touch the default group: the other
+    # ranks wait elsewhere (floor.py).
+    barrier = tdist.barrier if ctx.world_size > 1 else _no_op
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -54,25 +59,25 @@ def measure(trainer: Trainer, ctx: BenchContext, tokens_per_step: int, base_byte
     t0 = None
     for i in range(ctx.args.warmup + ctx.args.steps):
         if i == ctx.args.warmup:
-            tdist.barrier()
+            barrier()
             t0 = time.perf_counter()
         ms, loss = _timed_step(trainer, cuda)
         losses.append(math.nan if loss is None else float(loss))
         if i >= ctx.args.warmup:
             times.append(ms)
-    tdist.barrier()
+    barrier()
     wall = torch.tensor([1e3 * (time.perf_counter() - t0) / max(1, ctx.args.steps)], dtype=torch.float64)
     peak = (torch.cuda.max_memory_allocated() - base_bytes) / 2 ** 30 if cuda else math.nan
 
-    # NOTE: collective over every rank; the default torch group routes CPU tensors to gloo.
     step_ms = torch.tensor(times, dtype=torch.float64)
-    tdist.all_reduce(step_ms, op=tdist.ReduceOp.MAX)
     peak_t = torch.tensor([peak], dtype=torch.float64)
-    tdist.all_reduce(peak_t, op=tdist.ReduceOp.MAX)
-    tdist.all_reduce(wall, op=tdist.ReduceOp.MAX)
     have = torch.tensor([[0.0 if math.isnan(v) else v for v in losses],
                          [0.0 if math.isnan(v) else 1.0 for v in losses]], dtype=torch.float64)
-    tdist.all_reduce(have)
+    if ctx.world_size > 1:
+        # NOTE: collective over every rank; the default torch group routes CPU tensors to gloo.
+        for t in (step_ms, peak_t, wall):
+            tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        tdist.all_reduce(have)
     if (have[1] == 0).any():
         raise RuntimeError("train_bench: no rank reported a loss for some step")
     step_losses = (have[0] / have[1]).tolist()
@@ -81,6 +86,10 @@ def measure(trainer: Trainer, ctx: BenchContext, tokens_per_step: int, base_byte
                 peak_gib=peak_t.item(), loss=step_losses[-1], losses=step_losses, step_ms=step_ms.tolist(),
                 wall_ms=wall.item(),
                 tokens_per_step=tokens_per_step)
+
+
+def _no_op() -> None:
+    pass
 
 
 def pool(runs: list) -> dict:

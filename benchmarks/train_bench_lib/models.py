@@ -130,6 +130,10 @@ class BenchContext:
     rank: int
     compute_dtype: torch.dtype          # bf16 (default on GPU) or fp32
     compiled: bool = False              # build the side's torch.compile recipe (compile_recipes.py)
+    # The data-parallel group a runner wraps with: None, the default group (every rank); --floor's
+    # 1-rank groups of rank 0 (floor.py), with world_size 1 and rank 0 here.
+    pynccl_group: object = None
+    torch_group: object = None
 
     @property
     def bf16(self) -> bool:

@@ -62,7 +62,8 @@ def _compiled_for_zero(ctx: BenchContext, model, stage: int):
 
 def _zero(ctx: BenchContext, stage: int) -> Trainer:
     model, recipe = _compiled_for_zero(ctx, ctx.build_model(f"zero{stage}"), stage)
-    model = pynccl.FullyShardedDataParallel(model, stage=stage, mixed_precision=_mixed_precision(ctx))
+    model = pynccl.FullyShardedDataParallel(model, stage=stage, process_group=ctx.pynccl_group,
+                                            mixed_precision=_mixed_precision(ctx))
     if stage == 3 and ctx.rank == 0:                   # PYNCCL_ZERO3_SYMMETRIC: on, or why not
         print(f"# zero3 gathers: {model._runtime.describe_gather_ring()}", flush=True)
     impl = ctx.args.zero12_optim_impl if stage < 3 and ctx.args.zero12_optim_impl != "same" else None

@@ -9,11 +9,13 @@ where it has one), each the counterpart of the algorithm pynccl runs:
   zero3        FSDP2, torchtitan's wrapping (torch_fsdp.py)
   tp, tp-sp    DTensor parallelize_module with torch_tp_plan's plan; at world size 1 the plain
                model (the one-GPU reference of TP scaling, not DTensor on a 1-rank mesh)
+  plain        the unwrapped model on one GPU (plain()): tp's one-GPU reference, the --floor of ddp and tp
   tp-sp-async  tp-sp compiled with inductor's async TP (--compile only)
   pp-*         torch.distributed.pipelining's schedules on the same HF stages pynccl pipelines
   tp2xdp2      FSDP2 (torchtitan's wrapping) over "dp" on top of TP over "tp" of a 2-D mesh
 With ctx.compiled, each compiles as compile_recipes.py says (torchtitan: blocks compiled after TP
-and before fully_shard; nanoGPT: torch.compile(model) inside DDP).
+and before fully_shard; nanoGPT: torch.compile(model) inside DDP). DDP, ZeroRedundancyOptimizer and
+FSDP2 run over ctx.torch_group (None: the default group; --floor: a 1-rank group, floor.py).
 """
 from __future__ import annotations
 
@@ -49,10 +51,11 @@ def _ddp(ctx: BenchContext, zero_optimizer: bool) -> Trainer:
     model = ctx.build_model("ddp")
     model = cr.model_if_compiled(ctx, model)
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=ctx.torch_group)
     if zero_optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                      process_group=ctx.torch_group,
                                       parameters_as_bucket_view=True, **ctx.adamw_kwargs())
     else:
         opt = ctx.optimizer(model.parameters())
@@ -60,9 +63,16 @@ def _ddp(ctx: BenchContext, zero_optimizer: bool) -> Trainer:
     return Trainer(hf_lm_step(ctx, model, opt, x, autocast=True), [model, opt], recipe=cr.recipe(ctx, cr.WHOLE))
 
 
+def _dp_mesh(ctx: BenchContext):
+    """FSDP2's 1-D mesh: every rank, or over ctx.torch_group (--floor's 1-rank group)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    if ctx.torch_group is None:
+        return init_device_mesh(_device_type(ctx), (ctx.world_size,), mesh_dim_names=("dp",))
+    return DeviceMesh.from_group(ctx.torch_group, _device_type(ctx), mesh_dim_names=("dp",))
+
+
 def _fsdp2(ctx: BenchContext, reshard_after_forward: bool) -> Trainer:
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(_device_type(ctx), (ctx.world_size,), mesh_dim_names=("dp",))
+    mesh = _dp_mesh(ctx)
     model = cr.blocks_if_compiled(ctx, ctx.build_model("zero3"))
     model = titan_fully_shard(model, mesh, mixed_precision(ctx), reshard_after_forward)
     opt = ctx.optimizer(model.parameters())
@@ -81,11 +91,9 @@ def _tp(ctx: BenchContext, sequence_parallel: bool, async_tp: bool) -> Trainer:
     _check_llama(ctx, "tp")
     if async_tp and not ctx.compiled:
         raise ValueError("tp-sp-async: async TP is an inductor pass; run it with --compile")
-    x = ctx.tokens(0)                     # one replica: every tp rank sees the same batch
     if ctx.world_size == 1:               # the one-GPU reference: the plain model, no DTensor
-        model = cr.blocks_if_compiled(ctx, ctx.build_model("tp"))
-        opt = ctx.optimizer(model.parameters())
-        return Trainer(hf_lm_step(ctx, model, opt, x, autocast=True), [model, opt], recipe=cr.recipe(ctx, cr.BLOCKS))
+        return plain("tp", ctx)
+    x = ctx.tokens(0)                     # one replica: every tp rank sees the same batch
     mesh = init_device_mesh(_device_type(ctx), (ctx.world_size,), mesh_dim_names=("tp",))
     model = cr.blocks_if_compiled(ctx, tensor_parallelize_llama(ctx.build_model("tp"), mesh, sequence_parallel))
     opt = ctx.optimizer(model.parameters())
@@ -93,6 +101,17 @@ def _tp(ctx: BenchContext, sequence_parallel: bool, async_tp: bool) -> Trainer:
     close = cr.enable_async_tp(mesh.get_group().group_name, ctx.device) if async_tp else None
     return Trainer(loss_parallel_step(ctx, model, opt, x, autocast=True), [model, opt, mesh], close=close,
                    recipe=cr.recipe(ctx, cr.ASYNC_TP if async_tp else cr.BLOCKS))
+
+
+def plain(strategy: str, ctx: BenchContext) -> Trainer:
+    """The unwrapped HF model, no wrapper and no collective: TP's one-GPU reference and the --floor
+    of ddp and tp. Rank 0's batch, bf16 autocast and AdamW as the pair's; compiled as the pair
+    compiles (ddp: the whole model, as nanoGPT; tp: each block, as torchtitan)."""
+    whole = strategy == "ddp"
+    model = (cr.model_if_compiled if whole else cr.blocks_if_compiled)(ctx, ctx.build_model(strategy))
+    opt = ctx.optimizer(model.parameters())
+    return Trainer(hf_lm_step(ctx, model, opt, ctx.tokens(0), autocast=True), [model, opt],
+                   recipe=cr.recipe(ctx, cr.WHOLE if whole else cr.BLOCKS))
 
 
 def _fsdp2_tp(ctx: BenchContext) -> Trainer:
