@@ -317,11 +317,10 @@ class Reducer:
         used-map all-reduce where they run one (_globally_unused)."""
         handles, last = [], len(self.bucketer.buckets) - 1
         for b in self.bucketer.buckets:
-            zeros = torch.zeros_like(b.extra["result"])
+            zeros = torch.zeros_like(b.extra["result" if self.fused_comm is None else "wire"])
             if self.fused_comm is not None:
                 # NOTE: reduce_bucket with nothing to pack: the same NCCL calls as the ranks still
                 # training make (the padded wire's size, split or not, the last bucket in slices).
-                zeros = torch.zeros_like(b.extra["wire"])
                 handles.append(comm_hooks._Pending(self.fused_comm.reduce_bucket(
                     [], zeros, 1.0, self.pack_stream.cuda_stream, self.comm_path.split_all_reduce, 0,
                     self.tail_chunks if b.index == last else 1), zeros))
