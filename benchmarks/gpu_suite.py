@@ -101,6 +101,11 @@ def groups(n):
                                               f"--repeats 2 --warmup 2 --no-diagnostics {NOGRAPH} --levers comm-default "
                                               f"comm-copy-engine overlap-optimizer bf16-wire "
                                               f"--json {{out}}/ddp_medium.json"))],
+        # Issue 26's early unpack: its tests, then its A/B (the default of reducer.unpack_early).
+        "unpack": [("unpack_tests", 180, f"{tests} tests/test_ddp_unpack_gpu.py tests/test_nccl_inputs_buckets.py"),
+                   ("unpack_ab", 240, _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m --steps 8 "
+                                                "--repeats 2 --warmup 3 --no-diagnostics --levers unpack-early "
+                                                "unpack-late unpack-early-tail4 --json {out}/ddp_unpack.json"))],
         # DDP: GPU phases, the host-bound step (buckets through C++ vs Python), stream priority, every lever.
         "ddp_more": [("ddp_phases", 200, _torchrun(n, "benchmarks/ddp_bench.py", "--steps 6 --repeats 3 --phases 10 "
                                                    "--grad-view both --json {out}/ddp_phases.json")),

@@ -65,18 +65,18 @@ BucketCopy::BucketCopy(const char* fn, const std::vector<at::Tensor>& tensors, c
   flat_type_ = static_cast<int>(flat_type);
 }
 
-void BucketCopy::launch(cudaStream_t stream) const {
+void BucketCopy::launch_as(cudaStream_t stream, bool to_flat, double scale) const {
   const auto tensor_type = static_cast<ElemType>(tensor_type_);
   const auto flat_type = static_cast<ElemType>(flat_type_);
   const int64_t unit = tensor_type == ElemType::kBytes ? static_cast<int64_t>(flat_.element_size()) : 1;
-  const bool identity_if_aliased = scale_ == 1.0 && tensor_type == flat_type;
+  const bool identity_if_aliased = scale == 1.0 && tensor_type == flat_type;
   char* const flat_bytes = static_cast<char*>(flat_.data_ptr());
   const int64_t flat_elem = static_cast<int64_t>(flat_.element_size());
   kernels::SegmentBatch batch;
   int64_t offset = 0;  // in flat's elements
   auto flush = [&] {
     if (batch.num_segments == 0) return;
-    PYNCCL_CHECK_CUDA(kernels::launch_bucket_copy(batch, flat_.data_ptr(), tensor_type, flat_type, to_flat_, scale_,
+    PYNCCL_CHECK_CUDA(kernels::launch_bucket_copy(batch, flat_.data_ptr(), tensor_type, flat_type, to_flat, scale,
                                                   stream));
     batch.num_segments = 0;
   };

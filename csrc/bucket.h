@@ -23,9 +23,12 @@ class BucketCopy {
              bool to_flat);
   // Enqueues the copy on `stream` (one launch per 120 tensors). A tensor that already is its
   // segment of flat, with scale 1 and the same dtype, is skipped: the copy would be the identity.
-  void launch(cudaStream_t stream) const;
+  void launch(cudaStream_t stream) const { launch_as(stream, to_flat_, scale_); }
+  // The copy the other way, scale 1: the unpack of what a pack wrote (the checks are the same).
+  void launch_back(cudaStream_t stream) const { launch_as(stream, !to_flat_, 1.0); }
 
  private:
+  void launch_as(cudaStream_t stream, bool to_flat, double scale) const;
   const std::vector<at::Tensor>& tensors_;
   const at::Tensor& flat_;
   double scale_;

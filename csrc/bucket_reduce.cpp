@@ -1,15 +1,26 @@
 // Communicator::reduce_bucket: one DDP gradient bucket enqueued in one call (the CUDA path of
-// pynccl/ddp_reducer.py with a built-in SUM hook), so that backward's hook pays one Python->C++
+// pynccl/ddp/reducer.py with a built-in SUM hook), so that backward's hook pays one Python->C++
 // crossing per bucket instead of a stream switch, events, a pack and a collective call.
 //
 //   pack stream:   waits for the caller's stream; packs grads into flat (scale and cast fused)
 //   comm stream:   waits for the pack stream; all-reduces flat (SUM), async; or, split, a
 //                  reduce-scatter then an all-gather (copy engines on symmetric memory)
+//   unpack stream: (optional) waits for the collective; copies flat back into grads (scale 1),
+//                  so that the caller's end of backward only joins streams (issue 26)
+//
+// With chunks > 1 the three stages run as a pipeline over slices of flat: chunk k's pack,
+// collective and unpack each start as soon as the stage before them finished chunk k, so chunk
+// k's unpack overlaps chunk k+1's collective (meant for a big last bucket, whose collective and
+// unpack are otherwise exposed after backward). Every element is still reduced once, by SUM.
 //
 // Nothing here blocks the host. The returned Work's wait() orders the caller's stream after the
-// all-reduce (and so after the pack); the caller keeps grads alive until then.
+// collective and the unpack (the comm stream joins the unpack stream before the Work's event);
+// the Work keeps flat and, with an unpack, grads alive until then.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <optional>
 
 #include "bucket.h"
 #include "check.h"
@@ -18,44 +29,102 @@
 #include "op_helpers.h"
 
 namespace pynccl {
+namespace {
+
+// Chunk boundaries are multiples of this many elements times the world size: the split
+// collective needs multiples of the world size, and aligned slices keep NCCL's vector paths.
+constexpr int64_t kChunkAlignElements = 256;
+
+// The parts of `grads` (laid back to back from element 0 of flat) that fall in [lo, hi), as
+// flat views of the grads; a tensor cut by a boundary contributes a slice.
+std::vector<at::Tensor> grads_in_range(const std::vector<at::Tensor>& grads, int64_t lo, int64_t hi) {
+  std::vector<at::Tensor> parts;
+  int64_t offset = 0;
+  for (const auto& g : grads) {
+    const int64_t n = g.numel();
+    const int64_t begin = std::max(lo, offset);
+    const int64_t end = std::min(hi, offset + n);
+    if (begin < end) {
+      parts.push_back(begin == offset && end == offset + n ? g : g.view({-1}).narrow(0, begin - offset, end - begin));
+    }
+    offset += n;
+    if (offset >= hi) break;
+  }
+  return parts;
+}
+
+}  // namespace
 
 std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>& grads, const at::Tensor& flat,
-                                                  double scale, int64_t pack_stream, bool split_all_reduce) {
+                                                  double scale, int64_t pack_stream, bool split_all_reduce,
+                                                  int64_t unpack_stream, int64_t chunks) {
   static const char* const kFn = "reduce_bucket";
-  // Every check before anything is enqueued.
-  const BucketCopy pack(kFn, grads, flat, scale, /*to_flat=*/true);
+  // Every check before anything is enqueued (the unpack's are the pack's: same tensors, casts back).
+  const BucketCopy pack_all(kFn, grads, flat, scale, /*to_flat=*/true);
   PYNCCL_CHECK_VALUE(pack_stream != 0, kFn,
                     ": pack_stream must be a side stream (torch.cuda.Stream.cuda_stream), not the legacy default "
                     "stream (0)");
+  PYNCCL_CHECK_VALUE(chunks >= 1, kFn, ": chunks must be >= 1, got ", chunks);
   PYNCCL_CHECK_VALUE(!split_all_reduce || flat.numel() % world_size_ == 0, kFn, ": split_all_reduce needs flat's ",
                      flat.numel(), " elements to be a multiple of world_size(", world_size_, ")");
+  const TensorArg t = check_tensor(kFn, "flat", flat, device_);
   check_usable(kFn);
   const auto device = static_cast<c10::DeviceIndex>(device_);
   c10::cuda::CUDAGuard guard(device);
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device);
-  const c10::cuda::CUDAStream packer =
-      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(pack_stream), device);
+  const cudaStream_t packer =
+      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(pack_stream), device).stream();
+  const cudaStream_t unpacker =
+      unpack_stream == 0
+          ? nullptr
+          : c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(unpack_stream), device).stream();
 
   // The pack stream starts after everything already queued on the caller's stream (the grads).
-  order_after(packer.stream(), caller.stream());
-  pack.launch(packer.stream());
-
-  c10::cuda::CUDAStreamGuard on_packer(packer);  // the all-reduce is ordered after the pack
-  if (!split_all_reduce) {
-    return all_reduce_impl(kFn, flat, static_cast<int>(ReduceOp::kSum), /*async_op=*/true, 1.0, nullptr);
-  }
-  const TensorArg t = check_tensor(kFn, "flat", flat, device_);
-  const size_t chunk = t.count / static_cast<size_t>(world_size_);
-  void* const mine = static_cast<char*>(t.ptr) + chunk * static_cast<size_t>(rank_) * (t.num_bytes / t.count);
+  order_after(packer, caller.stream());
   OpScope scope(*this, kFn, t.dtype, t.numel, -1, /*async_op=*/true);
-  // NOTE: two calls, not one NCCL group: the all-gather reads what the reduce-scatter wrote, and
-  // only stream order guarantees that.
-  // ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
-  //                                ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
-  PYNCCL_CHECK_NCCL_OP(scope, ncclReduceScatter(t.ptr, mine, chunk, t.type, ncclSum, comm_, scope.stream()));
-  // ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
-  //                            ncclComm_t comm, cudaStream_t stream);
-  PYNCCL_CHECK_NCCL_OP(scope, ncclAllGather(mine, t.ptr, chunk, t.type, comm_, scope.stream()));
+  const cudaStream_t comm = scope.stream();
+  const int64_t align = kChunkAlignElements * world_size_;
+  const int64_t numel = flat.numel();
+  const int64_t step = chunks == 1 ? numel : std::max(align, (numel / chunks + align - 1) / align * align);
+  const int64_t elem_count = t.numel == 0 ? 1 : static_cast<int64_t>(t.count) / t.numel;  // NCCL elements per element
+  const size_t elem_bytes = static_cast<size_t>(flat.element_size());
+  for (int64_t lo = 0; lo < numel || lo == 0; lo += step) {
+    const int64_t hi = std::min(numel, lo + step);
+    const bool whole = lo == 0 && hi == numel;
+    const at::Tensor slice = whole ? flat : flat.narrow(0, lo, hi - lo);
+    const std::vector<at::Tensor> parts = whole ? std::vector<at::Tensor>() : grads_in_range(grads, lo, hi);
+    std::optional<BucketCopy> part_copy;  // a slice of the bucket: its own (new) tensor views
+    const BucketCopy& copy = whole ? pack_all : part_copy.emplace(kFn, parts, slice, scale, /*to_flat=*/true);
+    copy.launch(packer);
+    order_after(comm, packer);  // this chunk's collective after its pack
+    char* const base = static_cast<char*>(t.ptr) + static_cast<size_t>(lo) * elem_bytes;
+    const size_t count = static_cast<size_t>((hi - lo) * elem_count);
+    if (!split_all_reduce) {
+      // ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+      //                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
+      PYNCCL_CHECK_NCCL_OP(scope, ncclAllReduce(base, base, count, t.type, ncclSum, comm_, comm));
+    } else {
+      const size_t chunk = count / static_cast<size_t>(world_size_);
+      void* const mine = base + chunk * static_cast<size_t>(rank_) * (t.num_bytes / t.count);
+      // NOTE: two calls, not one NCCL group: the all-gather reads what the reduce-scatter wrote,
+      // and only stream order guarantees that.
+      // ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
+      //                                ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
+      PYNCCL_CHECK_NCCL_OP(scope, ncclReduceScatter(base, mine, chunk, t.type, ncclSum, comm_, comm));
+      // ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
+      //                            ncclComm_t comm, cudaStream_t stream);
+      PYNCCL_CHECK_NCCL_OP(scope, ncclAllGather(mine, base, chunk, t.type, comm_, comm));
+    }
+    if (unpacker != nullptr) {
+      order_after(unpacker, comm);  // this chunk's unpack after its collective
+      copy.launch_back(unpacker);
+    }
+    if (hi == numel) break;
+  }
+  if (unpacker != nullptr) {
+    order_after(comm, unpacker);  // the Work's event (recorded on comm) covers the unpacks
+    for (const auto& g : grads) scope.keep_alive(g);
+  }
   scope.keep_alive(flat);
   return scope.finish();
 }

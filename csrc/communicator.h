@@ -173,8 +173,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // split_all_reduce: the all-reduce as an in-place reduce-scatter then an in-place all-gather
   // (flat's size a multiple of the world size): on symmetric memory with CTAPolicy ZERO the
   // all-gather runs on the copy engines, so only the reduce-scatter holds SMs.
+  // unpack_stream (a cudaStream_t handle, 0 = none): copies the reduced flat back into grads
+  // there, after the collective, before the Work's event. chunks > 1 pipelines pack, collective
+  // and unpack over that many slices of flat (aligned to 256 x world_size elements).
   std::shared_ptr<Work> reduce_bucket(const std::vector<at::Tensor>& grads, const at::Tensor& flat, double scale,
-                                      int64_t pack_stream, bool split_all_reduce = false);
+                                      int64_t pack_stream, bool split_all_reduce = false, int64_t unpack_stream = 0,
+                                      int64_t chunks = 1);
 
   // --- NCCL user-buffer registration (buffer_registration.cpp) ------------------------------
   // ncclCommRegister of a tensor's bytes (NCCL >= 2.19): an opaque handle for deregister_buffer.

@@ -14,7 +14,7 @@ def test_ddp_bench_levers_on_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "ddp_bench.py"), "--device", "cpu",
                            "--nproc", "2", "--model", "tiny", "--steps", "2", "--repeats", "2", "--warmup", "1",
-                           "--levers", "bucket-10mb", "first-bucket-25mb", "cta-efficiency", "--json", str(out)],
+                           "--levers", "bucket-10mb", "first-bucket-25mb", "cta-efficiency", "unpack-early", "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -23,10 +23,12 @@ def test_ddp_bench_levers_on_cpu(tmp_path):
     assert set(r["modes"]) == {"no DDP", "torch DDP", "pynccl DDP"}
     assert all(m["n"] == 8 and m["median_ms"] > 0 for m in r["modes"].values()), r["modes"]
     rows = {row["mode"]: row for row in r["levers"]}
-    assert list(rows) == ["pynccl DDP + bucket-10mb", "pynccl DDP + first-bucket-25mb", "pynccl DDP + cta-efficiency"]
+    assert list(rows) == ["pynccl DDP + bucket-10mb", "pynccl DDP + first-bucket-25mb", "pynccl DDP + cta-efficiency",
+                          "pynccl DDP + unpack-early"]
     for name in ("pynccl DDP + bucket-10mb", "pynccl DDP + first-bucket-25mb"):
         assert all(rows[name][k] > 0 for k in ("step_ms", "floor_ms", "torch_ms", "default_ms")), rows[name]
     assert rows["pynccl DDP + cta-efficiency"]["skipped"] == "needs the nccl backend"
+    assert rows["pynccl DDP + unpack-early"]["skipped"] == "needs the nccl backend"   # a CUDA-only path
     assert "over floor ms" in proc.stdout and "pynccl DDP overhead / torch DDP overhead" in proc.stdout
     assert "pynccl DDP + bucket-10mb" in proc.stdout
 

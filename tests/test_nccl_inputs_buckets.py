@@ -136,6 +136,30 @@ def test_reduce_bucket_orders_its_streams(comm):
     assert torch.equal(flat32, torch.cat(base) * 0.5)
 
 
+@pytest.mark.parametrize("split_all_reduce", [False, True])
+def test_reduce_bucket_unpacks_after_the_all_reduce_in_slices(comm, split_all_reduce):
+    """unpack_stream: the reduced (bf16) wire is cast back into the grads on that stream, after
+    the all-reduce, which is after the pack, which waits for the grads; chunks slices all three
+    (64 asks for more slices than 256-element alignment allows, so tensors are cut mid-way)."""
+    pack_stream, unpack_stream = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=-1)
+    sizes = [5, 4096, 1, 333, 2000]
+    base = [make(torch.float32, n, offset=i) for i, n in enumerate(sizes)]
+    for chunks in (1, 3, 64):
+        flat = torch.full((sum(sizes),), -7.0, device="cuda", dtype=torch.bfloat16)
+        gpu_sleep(0.2)
+        grads = [g * 2 for g in base]             # queued behind the sleep
+        seq = comm.seq
+        work = comm.reduce_bucket(grads, flat, 0.25, pack_stream.cuda_stream, split_all_reduce,
+                                  unpack_stream.cuda_stream, chunks)
+        assert comm.seq == seq + 1 and not work.is_completed()
+        work.wait()
+        seen = [g.clone() for g in grads]         # ordered after the unpack by wait()
+        torch.cuda.synchronize()
+        for i, (s, g) in enumerate(zip(seen, base)):   # world size 1: SUM is the identity
+            assert torch.equal(s, g * 0.5), f"chunks={chunks}: grads[{i}]"
+        assert torch.equal(flat, torch.cat([(g * 0.5).to(torch.bfloat16) for g in base]))
+
+
 def test_reduce_bucket_checks_before_enqueueing(comm):
     s = torch.cuda.Stream().cuda_stream
     flat = torch.zeros(8, device="cuda")
@@ -148,4 +172,6 @@ def test_reduce_bucket_checks_before_enqueueing(comm):
         comm.reduce_bucket([torch.ones(2)], flat, 1.0, s)
     with pytest.raises(ValueError, match="must be a side stream"):
         comm.reduce_bucket([torch.ones(2, device="cuda")], flat, 1.0, 0)
+    with pytest.raises(ValueError, match="reduce_bucket: chunks must be >= 1, got 0"):
+        comm.reduce_bucket([torch.ones(2, device="cuda")], flat, 1.0, s, False, s, 0)
     assert comm.seq == seq                        # nothing was enqueued

@@ -26,6 +26,8 @@ class Lever:
     comm_prio0: bool = False                    # the communicator's stream at normal priority
     hook: Optional[str] = None                  # a built-in comm hook of pynccl.comm_hooks, by name
     overlap_optimizer: bool = False             # DDP.overlap_optimizer: the step per bucket, in backward
+    unpack_early: Optional[bool] = None         # reducer.unpack_early (None: the default)
+    tail_chunks: int = 1                        # reducer.tail_chunks: the last bucket pipelined in slices
 
 
 LEVERS = {lv.name: lv for lv in [
@@ -60,6 +62,13 @@ LEVERS = {lv.name: lv for lv in [
           "ends (exact; opt-in)", overlap_optimizer=True),
     Lever("bf16-wire", "bf16_compress_hook: a bf16 wire (half the bytes), fp32 accumulation in the symmetric kernels",
           hook="bf16_compress_hook"),
+    # Issue 26: where the write-back (unpack) of the default gradient_as_bucket_view=False runs.
+    Lever("unpack-early", "reducer.unpack_early: each bucket unpacked into .grad on a side stream as soon as its "
+          "all-reduce ends (exact); backward's end only joins streams", unpack_early=True),
+    Lever("unpack-late", "reducer.unpack_early=False: every bucket unpacked on the compute stream at the end of "
+          "backward", unpack_early=False),
+    Lever("unpack-early-tail4", "unpack-early, and the last bucket's pack / all-reduce / unpack pipelined over 4 "
+          "slices (its unpack overlaps its all-reduce)", unpack_early=True, tail_chunks=4),
 ]}
 DEFAULT_LEVERS = ["comm-default", "comm-symmetric", "comm-copy-engine", "cta-efficiency", "max-ctas-8", "max-ctas-4",
                   "register", "bucket-10mb", "bucket-50mb", "first-bucket-25mb", "grad-view", "comm-prio0"]
@@ -81,7 +90,7 @@ def parse(names):
 def unavailable(lever: Lever) -> Optional[str]:
     """Why `lever` cannot run in this process (the runtime NCCL is too old), or None."""
     if lever.min_nccl > (2, 18, 0) or lever.nccl_env or lever.register_buffers or lever.comm_prio0 or \
-            "comm_path" in lever.ddp_kwargs:
+            "comm_path" in lever.ddp_kwargs or lever.unpack_early is not None or lever.tail_chunks != 1:
         if not pynccl.is_initialized() or pynccl.get_backend() != "nccl":
             return "needs the nccl backend"
         version = pynccl.nccl_version()          # the headers pynccl was built with and the library loaded
@@ -122,5 +131,8 @@ def apply(ddp, lever: Lever) -> None:
         ddp.reducer.bucketer.first_bucket_cap_bytes = int(lever.first_bucket_mb * MiB)
     if lever.register_buffers:
         ddp.reducer.register_buffers = True
+    if lever.unpack_early is not None:
+        ddp.reducer.unpack_early = lever.unpack_early
+    ddp.reducer.tail_chunks = lever.tail_chunks
     if lever.hook is not None:
         ddp.register_comm_hook(None, getattr(pynccl.comm_hooks, lever.hook))

@@ -3,7 +3,9 @@
 Why it is faster: each bucket's gradients are packed by one fused launch (with a built-in hook,
 the 1/world_size scale folded in), reduced by one collective that starts the moment the bucket is full, on the
 communicator's stream while backward goes on, and unpacked by one launch at the end of backward,
-which only makes the current stream wait (Work.wait(): no host sync). On CUDA the pack runs on a
+which only makes the current stream wait (Work.wait(): no host sync); or, with
+`reducer.unpack_early` (issue 26, off by default), by the same launch on a side stream as soon as
+the bucket's all-reduce ends (reducer._unpacks_early says where that is exact). On CUDA the pack runs on a
 side stream, so it too overlaps the rest of backward, and with a built-in hook a bucket's pack and
 collective are one C++ call (reducer.py). Bucketing and the gradient-ready
 hooks are buckets.py (shared with ZeRO); the reduction is a comm hook (hooks.py).

@@ -1,5 +1,7 @@
 """DDP's reduction of gradient buckets: pack -> comm hook -> unpack, plus unused parameters, the
 one-time bucket rebuild in gradient-ready order, and the broadcasts of module state from rank 0.
+Where the unpack runs (at the end of backward, or on a side stream as each all-reduce ends) is
+decided per bucket by _unpacks_early.
 Policy only: when a bucket is ready is buckets.py's business, how bytes move is the Backend's
 (pack/unpack are one CUDA kernel on nccl, torch ops on gloo). A user's hook gets the bucket as
 torch's does (not divided: torch's hooks average themselves); a built-in hook runs fused, its 1/N
@@ -83,9 +85,12 @@ class Reducer:
         self.rebuilt = False
         # static_graph: which parameters go unused, learnt in the first iteration (local, global).
         self.static_unused = None
-        self._locally_unused: List[int] = []
+        self._locally_unused: set = set()
         # CUDA only (CPU has no streams): the pack runs off the stream backward runs on.
         self.pack_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        self.unpack_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        self.unpack_early = False        # see _unpacks_early; an A/B of issue 26 (ddp_bench --levers unpack-early)
+        self.tail_chunks = 1             # the fused last bucket's pack/all-reduce/unpack pipelined in slices
         # The communicator that runs a whole bucket in one C++ call (see _fused_comm), or None.
         self.fused_comm = None
         self._allow_fused = True
@@ -208,16 +213,16 @@ class Reducer:
 
     def prepare_for_backward(self, output) -> None:
         if self.static_unused is not None:
-            unused = [self.params[i] for i in self.static_unused[0]]
+            unused = [self.params[i] for i in sorted(self.static_unused[0])]
         elif self.find_unused or self.static_graph:
             reached = params_reached(output)
             unused = [p for p in self.params if id(p) not in reached]
         else:
             unused = []
-        self._locally_unused = []
+        self._locally_unused = set()
         if unused:
             unused_ids = {id(p) for p in unused}
-            self._locally_unused = [i for i, p in enumerate(self.params) if id(p) in unused_ids]
+            self._locally_unused = {i for i, p in enumerate(self.params) if id(p) in unused_ids}
         self.bucketer.prepare_for_backward(unused)
 
     # ------------------------------------------------------------------ reduction
@@ -258,17 +263,35 @@ class Reducer:
             return comm_hooks.sum_all_reduce(self.hook_state, wire)
         return self.hook(self.hook_state, b.extra["grad_bucket"])
 
+    def _unpacks_early(self, b: Bucket) -> bool:
+        """Whether the fused call itself unpacks bucket b into its parameters' .grad, on the
+        unpack stream as soon as its all-reduce ends (unpack_early), instead of _write_back at
+        the end of backward. Only where that write-back would be the plain unpack into the
+        same tensors: every grad exists, no parameter of b is unused here (find_unused /
+        static_graph: which ones went unused everywhere is known only at the end, but a
+        parameter used here is used), no grad views (nothing to unpack), no overlapped
+        optimizer (it writes back and steps on its own stream). Gloo and a user's hook never
+        reach the fused call."""
+        if not self.unpack_early or self.grad_as_view or self.overlap is not None:
+            return False
+        return self._locally_unused.isdisjoint(b.param_indices) and all(p.grad is not None for p in b.params)
+
     @torch.no_grad()
     def _on_bucket_ready(self, b: Bucket) -> None:
-        """Starts the bucket's reduction; the gradients are written back at the end of backward.
-        NOTE: on CUDA the write-back (unpack) runs then, on the compute stream, not on a side
-        stream as each reduction ends: measured on one H200 (benchmarks/RESULTS.md), unpacks
-        overlapping backward cost more than the same copies after it."""
+        """Starts the bucket's reduction; the gradients are written back at the end of backward
+        (_on_backward_end), or by the fused call where _unpacks_early says so.
+        NOTE: late by default on CUDA (on the compute stream): measured on one H200
+        (benchmarks/RESULTS.md), unpacks overlapping backward cost more than the same copies after it."""
         sources = self._sources(b)
+        early = False
         if self.fused_comm is not None:
-            # pack on the side stream, then the all-reduce: one C++ call (bucket_reduce.cpp)
+            # pack on the side stream, then the all-reduce (then the unpack): one C++ call (bucket_reduce.cpp)
+            early = self._unpacks_early(b)
+            last = b.index == len(self.bucketer.buckets) - 1
             work = self.fused_comm.reduce_bucket(sources, b.extra["wire"], self.scale, self.pack_stream.cuda_stream,
-                                                 self.comm_path.split_all_reduce)
+                                                 self.comm_path.split_all_reduce,
+                                                 self.unpack_stream.cuda_stream if early else 0,
+                                                 self.tail_chunks if last else 1)
             handle = comm_hooks._Pending(work, b.extra["result"])
         elif self.pack_stream is not None:
             # The same through Python: pack on the side stream, the hook's collective after it.
@@ -277,7 +300,7 @@ class Reducer:
                 handle = self._reduce(b, sources)
         else:
             handle = self._reduce(b, sources)
-        self.pending.append((b, handle, sources))        # sources: alive until the streams join
+        self.pending.append((b, handle, sources, early))  # sources: alive until the streams join
         if self.overlap is not None:
             self.overlap.step_bucket(b, handle)
 
@@ -296,12 +319,13 @@ class Reducer:
         for b in self.bucketer.buckets:
             zeros = torch.zeros_like(b.extra["result"])
             if self.fused_comm is not None:
-                # NOTE: the very call the training ranks make (reduce_bucket, into the bucket's own
-                # wire), with zeros packed in: a wire in a symmetric window runs NCCL's symmetric
-                # kernel and a split bucket two collectives, and a joined rank that all-reduced a
-                # plain buffer instead would run another algorithm than its peers (a hang on NCCL).
+                # NOTE: the very call the training ranks make (reduce_bucket into the bucket's own
+                # wire: padded, split or not, the last bucket in slices), with zeros packed in. A
+                # wire in a symmetric window runs NCCL's symmetric kernel; a joined rank reducing a
+                # plain buffer would run another algorithm than its peers (it hung on 2xH100, s9).
                 work = self.fused_comm.reduce_bucket([zeros], b.extra["wire"], 1.0, self.pack_stream.cuda_stream,
-                                                     self.comm_path.split_all_reduce)
+                                                     self.comm_path.split_all_reduce, 0,
+                                                     self.tail_chunks if b.index == last else 1)
                 handles.append(comm_hooks._Pending(work, b.extra["result"]))
                 packed.append(zeros)         # read on the pack stream: alive until the waits below
             elif self.builtin_hook:
@@ -342,7 +366,10 @@ class Reducer:
         if not pending:
             return
         unused = self._globally_unused()
-        for b, handle, _ in pending:
+        for b, handle, _, early in pending:
+            if early:
+                handle.wait()                            # the grads are written: a stream join
+                continue
             self._ensure_grads(b, unused)
             self._write_back(b, handle.wait(), unused)
 

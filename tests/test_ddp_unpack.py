@@ -1,0 +1,57 @@
+"""Which buckets pynccl DDP may unpack as soon as their all-reduce ends (reducer.unpack_early,
+Reducer._unpacks_early): the decision is the same on every backend, so it is checked here on
+gloo, on real buckets after a real forward; the CUDA path itself is tests/test_ddp_unpack_gpu.py."""
+import torch
+
+import pynccl
+from pynccl.testing import run_multiprocess
+from ddp_common import TINY_BUCKETS_MB, _mlp
+
+
+def _decisions(ddp, x):
+    """_unpacks_early of every bucket, as it would be asked in the backward of ddp(x)."""
+    out = ddp(x)                                   # prepare_for_backward: the locally unused parameters
+    decided = [ddp.reducer._unpacks_early(b) for b in ddp.reducer.bucketer.buckets]
+    out.sum().backward()
+    return decided
+
+
+def _check_decisions(rank, ws):
+    x = torch.randn(4, 8)
+    # `never` gets a gradient in the first backward only; from then on it is locally unused
+    # (find_unused_parameters finds it) though its .grad is still set: torch leaves that as it is.
+    ddp = pynccl.DistributedDataParallel(_mlp(with_never=True), bucket_cap_mb=TINY_BUCKETS_MB,
+                                         find_unused_parameters=True)
+    ddp.module.uses_never = True
+    ddp(x).sum().backward()
+    ddp.module.uses_never = False
+    buckets = ddp.reducer.bucketer.buckets
+    unused = {id(p) for p in ddp.module.never.parameters()}
+    holds_unused = [not unused.isdisjoint(map(id, b.params)) for b in buckets]
+    assert any(holds_unused) and not all(holds_unused) and len(buckets) > 3
+    assert ddp.reducer.unpack_early is False and _decisions(ddp, x) == [False] * len(buckets)   # the default
+    ddp.reducer.unpack_early = True
+    assert all(p.grad is not None for b in buckets for p in b.params)
+    assert _decisions(ddp, x) == [not h for h in holds_unused]
+    # A bucket with a parameter whose grad was set to None (by a user's hook, say) falls back.
+    i = holds_unused.index(False)
+    out = ddp(x)
+    buckets[i].params[0].grad = None
+    assert [ddp.reducer._unpacks_early(b) for b in buckets] == [not h and j != i for j, h in enumerate(holds_unused)]
+    out.sum().backward()
+
+    # Every parameter used: every bucket early, unless the grads are bucket views (nothing to
+    # unpack) or the optimizer steps in backward (optimizer_overlap.py writes back itself).
+    for kw, overlap in ((dict(), False), (dict(gradient_as_bucket_view=True), False), (dict(), True)):
+        ddp = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB, **kw)
+        ddp.reducer.unpack_early = True
+        if overlap:
+            ddp.overlap_optimizer(torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1))
+        ddp(x).sum().backward()
+        want = not kw and not overlap
+        assert _decisions(ddp, x) == [want] * len(ddp.reducer.bucketer.buckets), (kw, overlap)
+    return True
+
+
+def test_unpack_early_decision_per_bucket():
+    assert run_multiprocess(_check_decisions, 1, backend="gloo", timeout=120) == [True]
