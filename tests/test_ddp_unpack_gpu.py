@@ -82,7 +82,7 @@ def _train(model, opt, data, set_to_none, accumulate):
         opt.step()
     torch.cuda.synchronize()
     return [p.detach().clone() for p in model.module.parameters()], \
-        [p.grad.detach().clone() for p in model.module.parameters()]
+        [None if p.grad is None else p.grad.detach().clone() for p in model.module.parameters()]
 
 
 def _ours(device, early, tail_chunks=1, **kw):
@@ -174,6 +174,8 @@ def _fallback_where_unused(rank, ws):
         assert p.grad is None
     for i, (x, y) in enumerate(zip(got[0], want[0])):
         assert torch.equal(x, y), f"parameter {i}"
+    for i, (x, y) in enumerate(zip(got[1], want[1])):
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), f"gradient {i}"
     return True
 
 
