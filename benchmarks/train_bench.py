@@ -37,6 +37,10 @@ batch × seq × dp / step time; tok/s/GPU divides by the world size, and MFU is 
 peak; n/a on an unknown GPU, on CPU and in fp32). Every step uses the same batch (per replica):
 the loss falls, and the two sides' losses compare (equal in fp32, within bf16 noise in bf16); so do
 a side's compiled and eager losses. Losses further apart than --loss-rtol are printed as PROBLEM.
+peak GiB: torch.cuda.max_memory_allocated over the steps plus the NCCL symmetric windows the side
+holds outside torch's allocator (pynccl's ZeRO-3 gather ring, DDP/ZeRO-1/2 window buffers; listed
+under the summary). --grad-ckpt: Hugging Face gradient checkpointing (gradient_checkpointing_enable)
+on both sides, before wrapping.
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 
 import pynccl  # noqa: E402
+from pynccl.comm.symmetric import window_bytes  # noqa: E402
 from train_bench_lib import compile_recipes, mfu, pynccl_runners, report, timeline, torch_runners  # noqa: E402
 from train_bench_lib.harness import free_device_memory, measure, pool  # noqa: E402
 from train_bench_lib.models import (DEFAULTS, MODELS, STRATEGIES, BenchContext, hf_config,  # noqa: E402
@@ -90,6 +95,8 @@ def parse_args(argv=None):
     p.add_argument("--zero12-optim-impl", choices=["same", "fused", "foreach", "for-loop"], default="same",
                    help="AdamW of pynccl ZeRO stages 1/2 (default 'same': follows --optim-impl)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grad-ckpt", action="store_true",
+                   help="HF gradient checkpointing (model.gradient_checkpointing_enable()) on both sides, before wrapping")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn when not under torchrun")
     p.add_argument("--json", help="write the header and rows here (rank 0)")
@@ -190,10 +197,11 @@ def run_one(ctx: BenchContext, strategy: str, impl: str) -> dict:
             compile_recipes.reset()
         free_device_memory(ctx)
         base = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
+        base_windows = window_bytes()
         trainer = RUNNERS[impl](strategy, ctx)
         row["recipe"] = trainer.recipe
         free_device_memory(ctx)            # what the build left behind (a whole model before sharding)
-        row.update(measure(trainer, ctx, ctx.args.batch * ctx.args.seq * layout.dp, base))
+        row.update(measure(trainer, ctx, ctx.args.batch * ctx.args.seq * layout.dp, base, base_windows))
         if ctx.compiled:
             row.update(compile_recipes.stats())
         if ctx.args.timeline and trainer.instrument is not None and ctx.device.type == "cuda":
@@ -247,6 +255,8 @@ def worker(rank, world_size, args):
         print("\n# summary (ms vs torch: pynccl's median step time over torch's, same mode; wall ms: the timed "
               "steps' wall time / steps, barrier to barrier; breaks: graph breaks while compiling)")
         report.print_table(rows)
+        for line in report.window_notes(rows):
+            print(line)
         for line in report.loss_problems(rows, args.loss_rtol):
             print("PROBLEM:", line)
         if args.json:
