@@ -96,7 +96,7 @@ def parse_args(argv=None):
                    help="AdamW of pynccl ZeRO stages 1/2 (default 'same': follows --optim-impl)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grad-ckpt", action="store_true",
-                   help="HF gradient checkpointing (model.gradient_checkpointing_enable()) on both sides, before wrapping")
+                   help="HF gradient checkpointing (gradient_checkpointing_enable) on both sides, before wrapping")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn when not under torchrun")
     p.add_argument("--json", help="write the header and rows here (rank 0)")

@@ -84,7 +84,8 @@ def measure(trainer: Trainer, ctx: BenchContext, tokens_per_step: int, base_byte
     step_losses = (have[0] / have[1]).tolist()
     median = statistics.median(step_ms.tolist())
     return dict(median_ms=median, min_ms=min(step_ms.tolist()), tokens_per_s=tokens_per_step / (median / 1e3),
-                peak_gib=peak_t[0].item(), peak_allocated_gib=peak_t[1].item(), window_gib=peak_t[2].item(), loss=step_losses[-1], losses=step_losses, step_ms=step_ms.tolist(),
+                peak_gib=peak_t[0].item(), peak_allocated_gib=peak_t[1].item(), window_gib=peak_t[2].item(),
+                loss=step_losses[-1], losses=step_losses, step_ms=step_ms.tolist(),
                 wall_ms=wall.item(),
                 tokens_per_step=tokens_per_step)
 
