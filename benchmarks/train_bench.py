@@ -44,6 +44,11 @@ others wait (train_bench_lib/floor.py): for zero1/2/3 each side's own wrapper ov
 for ddp and tp the plain model, built and compiled as the pair. The floor rows (layout 1) follow the
 pair's; the summary prints per pair the floor, each side's cost over it and pynccl's cost over
 torch's (cost_vs_torch), or for tp each side's step over the one-GPU step (scaling, target <= 0.6).
+
+peak GiB: torch.cuda.max_memory_allocated over the steps plus the NCCL symmetric windows the side
+holds outside torch's allocator (pynccl's ZeRO-3 gather ring, DDP/ZeRO-1/2 window buffers; listed
+under the summary). --grad-ckpt: Hugging Face gradient checkpointing (gradient_checkpointing_enable)
+on both sides, before wrapping.
 """
 from __future__ import annotations
 
@@ -61,6 +66,7 @@ import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 
 import pynccl  # noqa: E402
+from pynccl.comm.symmetric import window_bytes  # noqa: E402
 from train_bench_lib import compile_recipes, floor, mfu, pynccl_runners, report, timeline, torch_runners  # noqa: E402
 from train_bench_lib.harness import free_device_memory, measure, pool  # noqa: E402
 from train_bench_lib.models import (DEFAULTS, MODELS, STRATEGIES, BenchContext, hf_config,  # noqa: E402
@@ -101,6 +107,8 @@ def parse_args(argv=None):
                         "(zero*: each side's wrapper over a 1-rank group; ddp, tp: the plain model); the summary "
                         "adds each side's cost over it and their ratio, or TP's step over the one-GPU step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grad-ckpt", action="store_true",
+                   help="HF gradient checkpointing (gradient_checkpointing_enable) on both sides, before wrapping")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--nproc", type=int, default=1, help="processes to spawn when not under torchrun")
     p.add_argument("--json", help="write the header and rows here (rank 0)")
@@ -201,10 +209,11 @@ def run_one(ctx: BenchContext, strategy: str, impl: str) -> dict:
             compile_recipes.reset()
         free_device_memory(ctx)
         base = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
+        base_windows = window_bytes()
         trainer = RUNNERS[impl](strategy, ctx)
         row["recipe"] = trainer.recipe
         free_device_memory(ctx)            # what the build left behind (a whole model before sharding)
-        row.update(measure(trainer, ctx, ctx.args.batch * ctx.args.seq * layout.dp, base))
+        row.update(measure(trainer, ctx, ctx.args.batch * ctx.args.seq * layout.dp, base, base_windows))
         if ctx.compiled:
             row.update(compile_recipes.stats())
         if ctx.args.timeline and trainer.instrument is not None and ctx.device.type == "cuda":
@@ -269,6 +278,8 @@ def worker(rank, world_size, args):
               "steps' wall time / steps, barrier to barrier; breaks: graph breaks while compiling)")
         report.print_table(rows)
         for line in report.floor_lines(rows):
+            print(line)
+        for line in report.window_notes(rows):
             print(line)
         for line in report.loss_problems(rows, args.loss_rtol):
             print("PROBLEM:", line)

@@ -9,7 +9,8 @@ import torch.nn as nn
 
 import pynccl
 from pynccl.ddp import comm_path
-from pynccl.comm.symmetric import SymmetricSupport, _layout, alloc_symmetric, symmetric_support
+from pynccl.comm.symmetric import SymmetricSupport, _layout, alloc_symmetric, symmetric_support, track_window, \
+    window_bytes
 from pynccl.testing import run_multiprocess
 
 PATHS = ("default", "symmetric", "copy_engine")
@@ -19,6 +20,23 @@ PATHS = ("default", "symmetric", "copy_engine")
 def test_layout_aligns_every_buffer():
     offsets, total = _layout([(10, torch.float32), (3, torch.bfloat16), (1, torch.int64)])
     assert offsets == [0, 4096, 8192] and total == 12288
+
+
+def test_window_bytes_count_a_window_while_any_buffer_of_it_lives():
+    """ncclMemAlloc memory is outside torch's allocator statistics: window_bytes() is how reports
+    count it. A CPU tensor stands in for the window (the bookkeeping never looks at the device)."""
+    import gc
+    before = window_bytes()
+    window = torch.empty(3 * 4096, dtype=torch.uint8)
+    track_window(window)
+    buffers = [window[o: o + 4096].view(torch.float32) for o in (0, 4096)]
+    assert window_bytes() == before + 3 * 4096
+    del window
+    gc.collect()
+    assert window_bytes() == before + 3 * 4096            # the buffers keep the whole window
+    del buffers
+    gc.collect()
+    assert window_bytes() == before
 
 
 def test_comm_path_argument_is_checked():

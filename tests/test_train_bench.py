@@ -131,13 +131,14 @@ def test_repeats_pool_the_runs():
     """--repeats: step times pooled over the runs (median and min of all), the largest peak, the
     mean wall time, the last run's losses; an error in any run is the row."""
     from train_bench_lib.harness import pool
-    runs = [dict(step_ms=[10.0, 30.0], median_ms=20.0, min_ms=10.0, peak_gib=2.0, wall_ms=21.0, losses=[3.0, 2.0],
-                 loss=2.0, tokens_per_step=1000),
-            dict(step_ms=[40.0, 50.0, 60.0], median_ms=50.0, min_ms=40.0, peak_gib=1.5, wall_ms=49.0,
-                 losses=[3.0, 1.5], loss=1.5, tokens_per_step=1000)]
+    runs = [dict(step_ms=[10.0, 30.0], median_ms=20.0, min_ms=10.0, peak_gib=2.0, peak_allocated_gib=1.75,
+                 window_gib=0.25, wall_ms=21.0, losses=[3.0, 2.0], loss=2.0, tokens_per_step=1000),
+            dict(step_ms=[40.0, 50.0, 60.0], median_ms=50.0, min_ms=40.0, peak_gib=1.5, peak_allocated_gib=1.25,
+                 window_gib=0.25, wall_ms=49.0, losses=[3.0, 1.5], loss=1.5, tokens_per_step=1000)]
     row = pool(runs)
     assert (row["median_ms"], row["min_ms"], row["peak_gib"], row["wall_ms"], row["loss"], row["repeats"]) == \
         (40.0, 10.0, 2.0, 35.0, 1.5, 2)
+    assert (row["peak_allocated_gib"], row["window_gib"]) == (1.75, 0.25)
     assert row["tokens_per_s"] == pytest.approx(1000 / 0.040)
     assert pool(runs[:1]) is runs[0]
     failed = dict(error="RuntimeError: x")
@@ -251,3 +252,23 @@ def test_floor_rows_pair_only_with_floors():
         "# floor ddp eager: floor (plain model) 10.00 ms; cost over floor pynccl +2.00 ms, torch +1.00 ms; "
         "pynccl cost / torch cost 2.000"]
     assert report.runs_as("ddp", "plain", "1") == report.ONE_GPU_TORCH
+
+
+def test_peak_includes_symmetric_windows_and_says_so():
+    """A row's peak is max_memory_allocated plus the NCCL symmetric windows (outside torch's
+    allocator); the summary names the split for rows that hold windows, and only for them."""
+    from train_bench_lib.report import window_notes
+    rows = [dict(strategy="zero3", impl="pynccl", layout="dp2", peak_gib=23.0, peak_allocated_gib=22.625,
+                 window_gib=0.375),
+            dict(strategy="zero3", impl="torch", layout="dp2", peak_gib=22.5, peak_allocated_gib=22.5, window_gib=0.0)]
+    assert window_notes(rows) == ["# peak of zero3 pynccl ZeRO-3 (eager): 23.00 GiB = 22.62 max_memory_allocated "
+                                  "+ 0.38 in NCCL symmetric windows (ncclMemAlloc)"]
+
+
+def test_grad_ckpt_turns_on_hf_checkpointing_before_wrapping():
+    import torch
+    from train_bench_lib.models import BenchContext
+    for flag in ([], ["--grad-ckpt"]):
+        args = train_bench.parse_args(["--device", "cpu"] + TINY + flag)
+        model = BenchContext(args, torch.device("cpu"), 1, 0, torch.float32).build_model("zero3")
+        assert model.is_gradient_checkpointing == bool(flag)

@@ -8,13 +8,16 @@ algorithms, so two runs of either kind are themselves repeatable. The profiler s
 gathers are no longer NCCL's all-gather kernels: on the copy engines (CTAPolicy ZERO, NCCL >=
 2.28) no kernel at all, else NCCL's symmetric kernels; only the root unit (Llama's final
 norm, outside the ring) keeps its one default all-gather a step."""
+import gc
 import os
 
 import pytest
 import torch
 
 import pynccl
+from pynccl.comm.symmetric import window_bytes
 from pynccl.testing import run_multiprocess
+from pynccl.zero.gather_ring import GATHER_SLOTS
 
 needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_NVLS_ENABLE": "0"}
@@ -37,9 +40,16 @@ def _train(ring, optim, mixed, checkpointing, steps=3, profile=False):
     os.environ["PYNCCL_ZERO3_SYMMETRIC"] = "1" if ring else "0"
     rank = pynccl.get_rank()
     mp = MixedPrecision(torch.bfloat16, torch.float32) if mixed else None
+    gc.collect()                                       # an earlier case's window goes first
+    windows_before = window_bytes()
     model = pynccl.FullyShardedDataParallel(_llama(checkpointing), stage=3, mixed_precision=mp)
     rt = model._runtime
     assert (rt.gather_ring is not None) == ring, rt.gather_ring_reason
+    # The ring's window, counted where torch's allocator statistics miss it: GATHER_SLOTS slots of the
+    # largest block's gathered bytes, each 4096-aligned (none without the ring).
+    slot = max(u.layout.padded_numel * u.full.element_size() for u in rt.units if u is not rt.root)
+    expected = GATHER_SLOTS * (-(-slot // 4096) * 4096) if ring else 0
+    assert window_bytes() - windows_before == expected, (window_bytes(), windows_before, slot)
     opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optim == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-3))
     g = torch.Generator("cuda").manual_seed(100 + rank)

@@ -20,6 +20,8 @@ import time
 import torch
 import torch.distributed as tdist
 
+from pynccl.comm.symmetric import window_bytes
+
 from .models import BenchContext, Trainer
 
 
@@ -43,9 +45,12 @@ def _timed_step(trainer: Trainer, cuda: bool):
     return 1e3 * (time.perf_counter() - t0), loss
 
 
-def measure(trainer: Trainer, ctx: BenchContext, tokens_per_step: int, base_bytes: int = 0) -> dict:
+def measure(trainer: Trainer, ctx: BenchContext, tokens_per_step: int, base_bytes: int = 0,
+            base_window_bytes: int = 0) -> dict:
     """Run --warmup + --steps steps; the row's numbers (identical on every rank). base_bytes: what
-    was allocated before the trainer was built (an earlier run's leftovers), not counted in the peak.
+    was allocated before the trainer was built (an earlier run's leftovers), not counted in the peak;
+    base_window_bytes: window_bytes() then. peak_gib = peak_allocated_gib (max_memory_allocated) +
+    window_gib (symmetric windows, held from the build to the end: they add to any moment's peak).
     wall_ms: the timed steps' wall time / steps, from a barrier before the first to one after the
     last (the throughput view: no per-step maximum over ranks that are out of phase)."""
     cuda = ctx.device.type == "cuda"
@@ -68,9 +73,10 @@ def measure(trainer: Trainer, ctx: BenchContext, tokens_per_step: int, base_byte
     barrier()
     wall = torch.tensor([1e3 * (time.perf_counter() - t0) / max(1, ctx.args.steps)], dtype=torch.float64)
     peak = (torch.cuda.max_memory_allocated() - base_bytes) / 2 ** 30 if cuda else math.nan
+    windows = (window_bytes() - base_window_bytes) / 2 ** 30
 
     step_ms = torch.tensor(times, dtype=torch.float64)
-    peak_t = torch.tensor([peak], dtype=torch.float64)
+    peak_t = torch.tensor([peak + windows, peak, windows], dtype=torch.float64)     # the largest rank's each
     have = torch.tensor([[0.0 if math.isnan(v) else v for v in losses],
                          [0.0 if math.isnan(v) else 1.0 for v in losses]], dtype=torch.float64)
     if ctx.world_size > 1:
@@ -83,7 +89,8 @@ def measure(trainer: Trainer, ctx: BenchContext, tokens_per_step: int, base_byte
     step_losses = (have[0] / have[1]).tolist()
     median = statistics.median(step_ms.tolist())
     return dict(median_ms=median, min_ms=min(step_ms.tolist()), tokens_per_s=tokens_per_step / (median / 1e3),
-                peak_gib=peak_t.item(), loss=step_losses[-1], losses=step_losses, step_ms=step_ms.tolist(),
+                peak_gib=peak_t[0].item(), peak_allocated_gib=peak_t[1].item(), window_gib=peak_t[2].item(),
+                loss=step_losses[-1], losses=step_losses, step_ms=step_ms.tolist(),
                 wall_ms=wall.item(),
                 tokens_per_step=tokens_per_step)
 
@@ -100,6 +107,7 @@ def pool(runs: list) -> dict:
     row = dict(runs[-1])
     times = [t for r in runs for t in r["step_ms"]]
     row.update(median_ms=statistics.median(times), min_ms=min(times), step_ms=times, repeats=len(runs),
-               peak_gib=max(r["peak_gib"] for r in runs), wall_ms=statistics.mean(r["wall_ms"] for r in runs))
+               peak_gib=max(r["peak_gib"] for r in runs), peak_allocated_gib=max(r["peak_allocated_gib"] for r in runs),
+               window_gib=max(r["window_gib"] for r in runs), wall_ms=statistics.mean(r["wall_ms"] for r in runs))
     row["tokens_per_s"] = row["tokens_per_step"] / (row["median_ms"] / 1e3)
     return row

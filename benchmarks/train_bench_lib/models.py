@@ -141,11 +141,14 @@ class BenchContext:
 
     def build_model(self, strategy: str):
         """Random init from one seed on the device: the same fp32 weights on every rank, for
-        either side. GPT-2 is untied for pipelining (the two ends sit on different stages)."""
+        either side. GPT-2 is untied for pipelining (the two ends sit on different stages).
+        --grad-ckpt: HF gradient checkpointing on."""
         config = hf_config(self.args, untie=strategy.startswith("pp-"))
         torch.manual_seed(self.args.seed)
         with torch.device(self.device):
             model = model_class(config)(config)
+        if getattr(self.args, "grad_ckpt", False):    # --grad-ckpt: before any wrapping, on both sides
+            model.gradient_checkpointing_enable()
         return model.train()
 
     def tokens(self, dp_rank: int) -> torch.Tensor:

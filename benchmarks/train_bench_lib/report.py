@@ -179,6 +179,14 @@ def format_row(r: dict) -> str:
                    f"{_opt(r.get('wall_vs_torch'), '.3f', 14)}{_opt(r.get('graph_breaks'), 'd', 7)}")
 
 
+def window_notes(rows: List[dict]) -> List[str]:
+    """One line per row whose peak includes NCCL symmetric windows (outside torch's allocator)."""
+    return [f"# peak of {r['strategy']} {runs_as(r['strategy'], r['impl'], r.get('layout', ''))} "
+            f"({r.get('recipe', 'eager')}): {r['peak_gib']:.2f} GiB = {r['peak_allocated_gib']:.2f} "
+            f"max_memory_allocated + {r['window_gib']:.2f} in NCCL symmetric windows (ncclMemAlloc)"
+            for r in rows if not r.get("error") and r.get("window_gib")]
+
+
 def print_table(rows: List[dict]) -> None:
     print(HEADER)
     for r in rows:

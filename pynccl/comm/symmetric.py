@@ -21,6 +21,7 @@ import socket
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import _ext
 from .groups import ProcessGroup
@@ -138,6 +139,24 @@ def symmetric_support(group: ProcessGroup) -> SymmetricSupport:
     return support
 
 
+# Windows this process allocated, while alive: (weak reference to the storage, bytes). Their memory
+# comes from ncclMemAlloc, outside torch's caching allocator: torch.cuda.memory_allocated and
+# max_memory_allocated never count it, so memory reports add window_bytes() (issue 26).
+_windows: List[Tuple[StorageWeakRef, int]] = []
+
+
+def track_window(window: torch.Tensor) -> None:
+    """Count `window`'s storage in window_bytes() for as long as it lives."""
+    _windows[:] = [(ref, n) for ref, n in _windows if not ref.expired()]
+    _windows.append((StorageWeakRef(window.untyped_storage()), window.untyped_storage().nbytes()))
+
+
+def window_bytes() -> int:
+    """Bytes of the symmetric windows (alloc_symmetric) alive in this process: device memory
+    torch's allocator statistics leave out (a window lives as long as any buffer cut from it)."""
+    return sum(n for ref, n in _windows if not ref.expired())
+
+
 def _layout(sizes: Sequence[Tuple[int, torch.dtype]]) -> Tuple[List[int], int]:
     """Byte offsets of each (numel, dtype) buffer, each aligned, and the total."""
     offsets, total = [], 0
@@ -174,5 +193,6 @@ def alloc_symmetric(group: ProcessGroup, sizes: Sequence[Tuple[int, torch.dtype]
         group._symmetric_support = SymmetricSupport(False, False, f"{_REASONS[9]}: {e}")
         return None
     window.zero_()
+    track_window(window)
     return [window[o: o + numel * torch.empty(0, dtype=dtype).element_size()].view(dtype)
             for o, (numel, dtype) in zip(offsets, sizes)]
