@@ -89,7 +89,7 @@ class Reducer:
         # CUDA only (CPU has no streams): the pack runs off the stream backward runs on.
         self.pack_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.unpack_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
-        self.unpack_early = False        # see _unpacks_early; an A/B of issue 26 (ddp_bench --levers unpack-early)
+        self.unpack_early = False        # _unpacks_early; off: no gain in the A/B of issue 26 (RESULTS, s9)
         self.tail_chunks = 1             # the fused last bucket's pack/all-reduce/unpack pipelined in slices
         # The communicator that runs a whole bucket in one C++ call (see _fused_comm), or None.
         self.fused_comm = None
