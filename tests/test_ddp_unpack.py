@@ -55,3 +55,48 @@ def _check_decisions(rank, ws):
 
 def test_unpack_early_decision_per_bucket():
     assert run_multiprocess(_check_decisions, 1, backend="gloo", timeout=120) == [True]
+
+
+class _RecordingComm:
+    """Stands in for the NCCL communicator (no GPU here): records what each reduce_bucket call
+    hands to NCCL, i.e. the wire it reduces in, its size, split or not, in how many slices."""
+
+    class _Done:
+        def wait(self):
+            pass
+
+    def __init__(self):
+        self.calls = []
+
+    def reduce_bucket(self, grads, flat, scale, pack_stream, split_all_reduce, unpack_stream=0, chunks=1):
+        assert sum(g.numel() for g in grads) <= flat.numel()
+        self.calls.append((flat.data_ptr(), flat.numel(), split_all_reduce, chunks))
+        return self._Done()
+
+
+def _joined_calls_match(rank, ws):
+    """A joined rank's reduce_zeros must make the NCCL calls the training ranks' fused calls make,
+    bucket by bucket: the same wire (a symmetric window's offset decides NCCL's kernel), the same
+    size, split or not, and the last bucket in the same slices (tail_chunks); any difference hangs
+    NCCL or sums the wrong bytes (test_ddp_unpack_gpu.py runs it on 2 GPUs)."""
+    ddp = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB)
+    x = torch.randn(4, 8)
+    for _ in range(2):                             # the second forward rebuilds the buckets
+        ddp(x).sum().backward()
+    reducer = ddp.reducer
+    assert len(reducer.bucketer.buckets) > 2
+    for tail_chunks in (1, 4):
+        comm = _RecordingComm()
+        reducer.fused_comm, reducer.pack_stream, reducer.tail_chunks = comm, type("S", (), {"cuda_stream": 7}), tail_chunks
+        for b in reducer.bucketer.buckets:
+            reducer._on_bucket_ready(b)
+        reducer.pending = []
+        training, comm.calls = comm.calls, []
+        reducer.reduce_zeros()
+        assert comm.calls == training, (tail_chunks, comm.calls, training)
+        assert [c[3] for c in training][-1] == tail_chunks
+    return True
+
+
+def test_joined_rank_makes_the_training_ranks_reduce_calls():
+    assert run_multiprocess(_joined_calls_match, 1, backend="gloo", timeout=120) == [True]
