@@ -248,8 +248,9 @@ class Reducer:
     def _on_bucket_ready(self, b: Bucket) -> None:
         """Starts the bucket's reduction; the gradients are written back at the end of backward
         (_on_backward_end), or by the fused call where _unpacks_early says so.
-        NOTE: late by default on CUDA (on the compute stream): measured on one H200
-        (benchmarks/RESULTS.md), unpacks overlapping backward cost more than the same copies after it."""
+        NOTE: late by default on CUDA (on the compute stream): unpacks overlapping backward cost more
+        than the same copies after it on one H200, and gained nothing on 2xH100 nanoGPT (0.90 early
+        against 0.88 late, benchmarks/RESULTS.md)."""
         sources = self._sources(b)
         early = False
         if self.fused_comm is not None:
