@@ -59,13 +59,22 @@ def gpu_sleep(seconds):
     torch.cuda._sleep(int(seconds * _CYCLES_PER_S[0]))
 
 
+INIT_TIMEOUT_S = 60.0
+
+
 def new_comm(name, timeout_s=60.0, on_timeout=None, **env):
     """A fresh world-size-1 communicator, made as init_process_group makes one (blocking, a
-    time-out ends the process) unless on_timeout="raise"; `env` sets PYNCCL_* variables."""
+    time-out ends the process) unless on_timeout="raise"; `env` sets PYNCCL_* variables.
+    Its init is bounded by INIT_TIMEOUT_S and only then does `timeout_s` bound its ops: the first
+    NCCL init of a process loads NCCL and builds its topology (seen taking over 0.5 s on 2xH100),
+    so a sub-second op timeout would time out the init instead of the op under test."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update({k: str(v) for k, v in env.items()})
     try:
-        return C.Communicator(C.get_unique_id(), 1, 0, 0, timeout_s=timeout_s, name=name, on_timeout=on_timeout)
+        comm = C.Communicator(C.get_unique_id(), 1, 0, 0, timeout_s=max(timeout_s, INIT_TIMEOUT_S), name=name,
+                              on_timeout=on_timeout)
+        comm.timeout_s = timeout_s
+        return comm
     finally:
         for k, v in saved.items():
             if v is None:
