@@ -67,7 +67,8 @@ import torch.distributed as tdist  # noqa: E402
 
 import pynccl  # noqa: E402
 from pynccl.comm.symmetric import window_bytes  # noqa: E402
-from train_bench_lib import compile_recipes, floor, mfu, pynccl_runners, report, timeline, torch_runners  # noqa: E402
+from train_bench_lib import (compile_recipes, floor, kernel_profile, mfu, pynccl_runners, report, timeline,  # noqa: E402
+                             torch_runners)
 from train_bench_lib.harness import free_device_memory, measure, pool  # noqa: E402
 from train_bench_lib.models import (DEFAULTS, MODELS, STRATEGIES, BenchContext, hf_config,  # noqa: E402
                                     layout_of, num_params, parse_strategies, preload)
@@ -115,6 +116,9 @@ def parse_args(argv=None):
     p.add_argument("--timeline", action="store_true",
                    help="pipeline pairs on GPU: after the timed steps, one step with every micro-batch's forward and "
                         "backward timed per rank (GPU and host), printed by rank 0")
+    p.add_argument("--profile", action="store_true",
+                   help="GPU: after each run's timed steps, two profiled steps; rank 0 prints its GPU time by kernel "
+                        "category (train_bench_lib/kernel_profile.py)")
     p.add_argument("--plot", help="draw tokens/s per strategy here (PNG; rank 0)")
     args = p.parse_args(argv)
     for key, value in DEFAULTS[args.model].items():
@@ -216,6 +220,9 @@ def run_one(ctx: BenchContext, strategy: str, impl: str) -> dict:
         row.update(measure(trainer, ctx, ctx.args.batch * ctx.args.seq * layout.dp, base, base_windows))
         if ctx.compiled:
             row.update(compile_recipes.stats())
+        if ctx.args.profile and ctx.device.type == "cuda":
+            label = f"{strategy} {impl} {'compiled' if ctx.compiled else 'eager'} world {ctx.world_size}"
+            row["profile"] = kernel_profile.profile_and_print(trainer, ctx, label)
         if ctx.args.timeline and trainer.instrument is not None and ctx.device.type == "cuda":
             tl = timeline.Timeline()
             trainer.instrument(tl)

@@ -41,6 +41,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from ..comm.groups import duplicate_group
+from .backward_pacing import BackwardPacer, lead_from_env
 from .flat_unit import ReduceQueue, ShardedUnit
 from .gather_ring import build_gather_ring
 from .layout import FlatLayout
@@ -115,6 +116,8 @@ class ShardedParamsRuntime:
         self.in_flight = ReduceQueue(0)               # see _reduce_in_order: drained at the end of backward
         self._ready: Dict[int, torch.Tensor] = {}        # unit index -> full gradient waiting for its turn
         self._cursor = len(self.units) - 1               # next unit index to reduce (descending)
+        self._pacer = BackwardPacer(self.units[0].full.device if self.units else torch.device("cpu"),
+                                    lead_from_env())  # backward_pacing.py: bounds the reduce inputs alive
 
     def describe_gather_ring(self) -> str:
         ring = self.gather_ring
@@ -179,11 +182,18 @@ class ShardedParamsRuntime:
                 self._free(unit)
             self._fwd += 1
 
-    def _backward_gather_to(self, pos: int) -> None:
+    def _backward_gather_to(self, pos: int, passed_above: Optional[int] = None) -> None:
         """Start the gathers of blocks [pos, cursor], descending (passed-over ones stay gathered
-        until the end of backward: their memory is freed there)."""
+        until the end of backward: their memory is freed there). passed_above=p: the blocks above
+        p gathered here were skipped by this rank's backward; each leaves the gather ring as soon
+        as its gather starts, before the next one takes a slot, as the ranks that run it have
+        given its slot back by then (gather_ring.py: a slot freed late here would make this rank
+        spill where they do not, and pair different all-gather kernels: a hang)."""
         while self._bwd >= max(pos, 0):
-            self._start_gather(self._blocks[self._bwd])
+            unit = self._blocks[self._bwd]
+            self._start_gather(unit)
+            if passed_above is not None and self._bwd > passed_above and unit.index not in self._bwd_touched:
+                self._leave_ring(unit)
             self._bwd -= 1
 
     # ------------------------------------------------------------------ forward
@@ -206,13 +216,15 @@ class ShardedParamsRuntime:
     @torch._disable_dynamo
     def _pre_forward(self, unit: ShardedUnit, module, args) -> None:
         pos = self._pos[unit.index]
+        # NOTE: blocks passed over leave the ring before the gathers below take slots (see
+        # _backward_gather_to).
         if _in_backward():                             # recomputation (activation checkpointing)
             self._queue_end()
-            self._backward_gather_to(pos)
             self._leave_passed(unit, pos, backward=True)
+            self._backward_gather_to(pos, passed_above=pos)
         else:
-            self._forward_gather_to(pos, free_passed=True)
             self._leave_passed(unit, pos, backward=False)
+            self._forward_gather_to(pos, free_passed=True)
         self._ensure(unit)                             # a unit run again (or out of order) gathers again
         self._use_full(unit)
         if not _in_backward():
@@ -260,13 +272,14 @@ class ShardedParamsRuntime:
             self._bwd = len(self._blocks) - 1
             self._bwd_touched.clear()
             self._bwd_passed = len(self._blocks) - 1
+            self._pacer.reset()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _pre_backward(self, unit: ShardedUnit, *unused) -> None:
         self._queue_end()
         pos = self._pos[unit.index]
-        self._backward_gather_to(pos)
-        self._leave_passed(unit, pos, backward=True)
+        self._leave_passed(unit, pos, backward=True)   # first: see _pre_forward
+        self._backward_gather_to(pos, passed_above=pos)
         self._ensure(unit)
         # A checkpoint around the module's forward (not its __call__, as HF's layers do) recomputes
         # it without running our forward hooks: the parameters must already be in place, as
@@ -274,6 +287,8 @@ class ShardedParamsRuntime:
         with torch.enable_grad():
             self._use_full(unit)
         self._backward_gather_to(pos - 1)              # prefetch
+        if self._pacer.block(unit.index):              # after the prefetch: see backward_pacing.py
+            self.in_flight.trim_completed()
 
     def _leave_passed(self, unit: ShardedUnit, pos: int, backward: bool) -> None:
         """Forward (backward) reached block `pos`: blocks before it in that walk that it never
@@ -287,14 +302,18 @@ class ShardedParamsRuntime:
         cursor = self._bwd_passed if backward else self._fwd_passed
         while (cursor - pos) * step < 0:
             passed = self._blocks[cursor]
-            if passed.index not in touched and passed.ring_slot is not None:
-                passed.leave_ring()
-                self._by_storage[passed.full.untyped_storage().data_ptr()] = passed
+            if passed.index not in touched:
+                self._leave_ring(passed)
             cursor += step
         if backward:
             self._bwd_passed = cursor
         else:
             self._fwd_passed = cursor
+
+    def _leave_ring(self, unit: ShardedUnit) -> None:
+        if unit.ring_slot is not None:
+            unit.leave_ring()
+            self._by_storage[unit.full.untyped_storage().data_ptr()] = unit
 
     def _post_backward(self, unit: ShardedUnit, full: torch.Tensor) -> None:
         self._queue_end()

@@ -1,0 +1,76 @@
+"""How far ZeRO-3's backward may run ahead of the GPU on the host.
+
+Autograd enqueues a block's backward (and, with activation checkpointing, its recomputation) far
+faster than the GPU runs it, so the host can be many blocks ahead. Every block the host has passed
+holds its fp32 reduce-scatter input until the host sees that reduce complete (flat_unit.ReduceQueue
+frees only completed reduces, never waiting): on a checkpointed 1.1B Llama at dp 2 that was about 8
+blocks, 1.82 GiB above FSDP2's peak (benchmarks/RESULTS.md, ZeRO).
+
+FSDP2 bounds this by making the compute stream wait for the previous reduce-scatter. pynccl cannot:
+a rank whose backward skipped a block starts that block's reduce only at the end of its backward
+(stage3.py), and a compute stream waiting for it would hold back this rank's all-gathers, which
+the other rank needs to get there: a hang on NCCL. Waiting for reduces on the host hangs the same
+way. So the host is paced on its own compute stream instead: at each block's backward, before
+enqueuing it, the host waits until the GPU has reached the backward of the block `lead` blocks
+back. That wait depends on no reduce-scatter at all, only on compute and on all-gathers this rank
+has already started (prefetch comes before the wait), so it cannot deadlock; the reduces the GPU
+has finished by then are freed right after it. With lead L, about L + 1 reduce inputs are alive
+instead of every block the host ran ahead.
+
+PYNCCL_ZERO3_BACKWARD_LEAD sets L (default DEFAULT_LEAD; 0 turns pacing off). Off on CPU (nothing
+runs ahead there) and while a CUDA graph is being captured (no host wait is allowed then).
+"""
+from __future__ import annotations
+
+import collections
+import os
+
+import torch
+
+DEFAULT_LEAD = 2
+ENV = "PYNCCL_ZERO3_BACKWARD_LEAD"
+
+
+def lead_from_env() -> int:
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return DEFAULT_LEAD
+    try:
+        lead = int(raw)
+    except ValueError:
+        lead = -1
+    if lead < 0:
+        raise ValueError(f"{ENV} must be a whole number of blocks >= 0 (0: no pacing), got {raw!r}")
+    return lead
+
+
+class BackwardPacer:
+    """One per ZeRO-3 runtime. reset() at the start of each backward; block(index) at each block's
+    backward, before its work is enqueued: returns True when it waited (the caller then frees the
+    reduces that have completed). A block announced twice in a row (reentrant checkpointing hooks
+    the recomputed outputs again) counts once."""
+
+    def __init__(self, device: torch.device, lead: int):
+        self.lead = lead if device.type == "cuda" else 0
+        self._events: collections.deque = collections.deque()
+        self._last = None
+        self.waits = 0                       # host waits so far (tests and diagnostics)
+
+    def reset(self) -> None:
+        self._events.clear()
+        self._last = None
+
+    def block(self, index: int) -> bool:
+        if self.lead == 0 or index == self._last or torch.cuda.is_current_stream_capturing():
+            return False
+        self._last = index
+        event = torch.cuda.Event()
+        event.record()
+        self._events.append(event)
+        if len(self._events) <= self.lead:
+            return False
+        # NOTE: the default timeout policy still holds: a stuck all-gather under this event is the
+        # watchdog's to time out (it aborts the communicator, which ends the kernel and this wait).
+        self._events.popleft().synchronize()
+        self.waits += 1
+        return True

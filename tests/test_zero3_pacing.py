@@ -1,0 +1,39 @@
+"""ZeRO-3's backward pacing settings (pynccl/zero/backward_pacing.py); the pacing itself needs a GPU
+that runs behind the host: tests/test_zero3_pacing_gpu.py."""
+import pytest
+import torch
+
+from pynccl.zero.backward_pacing import DEFAULT_LEAD, ENV, BackwardPacer, lead_from_env
+
+
+def test_lead_from_env(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert lead_from_env() == DEFAULT_LEAD == 2
+    monkeypatch.setenv(ENV, " 0 ")
+    assert lead_from_env() == 0
+    monkeypatch.setenv(ENV, "5")
+    assert lead_from_env() == 5
+    for bad in ("-1", "two", "1.5"):
+        monkeypatch.setenv(ENV, bad)
+        with pytest.raises(ValueError, match=rf"{ENV} must be a whole number of blocks >= 0 .*got '{bad}'"):
+            lead_from_env()
+
+
+def test_cpu_never_waits():
+    pacer = BackwardPacer(torch.device("cpu"), 2)
+    assert pacer.lead == 0
+    assert not any(pacer.block(i) for i in range(10))
+    assert pacer.waits == 0
+
+
+def test_bad_lead_is_refused_when_wrapping(monkeypatch):
+    import pynccl
+    from pynccl.testing import run_multiprocess
+    monkeypatch.setenv(ENV, "-3")
+
+    def case(rank, ws):
+        with pytest.raises(ValueError, match=ENV):
+            pynccl.FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), stage=3)
+        return True
+
+    assert run_multiprocess(case, 1, backend="gloo") == [True]
