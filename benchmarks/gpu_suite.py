@@ -134,6 +134,14 @@ def groups(n):
                       ("zero3_plain", 200, "PYNCCL_ZERO3_SYMMETRIC=0 " + _torchrun(
                           n, "benchmarks/train_bench.py", f"{L1B} --batch 4 --strategy zero3 --impl pynccl --warmup 3 "
                           "--steps 10 --repeats 2 --json {out}/zero3_plain.json"))],
+        # Issue 26's memory target with HF gradient checkpointing: ZeRO-3's backward pacing (tests: the
+        # reduce inputs alive stay bounded, a rank skipping blocks does not hang), the checkpointed pair
+        # against FSDP2, and one lead shorter.
+        "zero3mem": [("zero3_pacing_tests", 150, f"{TESTS} tests/test_zero3_pacing_gpu.py"),
+                     _train(n, "llama1b_zero3_ckpt", f"{L1B} --batch 4 --strategy zero3 --grad-ckpt --warmup 3 --steps 8"),
+                     ("llama1b_zero3_ckpt_lead1", 150, "PYNCCL_ZERO3_BACKWARD_LEAD=1 " + _torchrun(
+                         n, "benchmarks/train_bench.py", f"{L1B} --batch 4 --strategy zero3 --grad-ckpt --impl pynccl "
+                         "--warmup 3 --steps 8 --json {out}/llama1b_zero3_ckpt_lead1.json"))],
         "zero_gpt2": [_train(n, "gpt2m_zero", f"{GPT2M} --batch 8 --strategy zero1,zero2,zero3 --warmup 3 --steps 12 "
                                               "--repeats 2", cap=240)],
         "zeromem": [("zero_memory", 150, _torchrun(n, "benchmarks/zero_memory.py", "--device cuda")),
@@ -165,6 +173,9 @@ def groups(n):
         # world-size-1 floor against FSDP2's (<= 0.5), eager and compiled per block.
         "tpscale": [_train(n, "llama1b_tpscale", f"{L1B} --batch 4 --strategy tp --compile both --floor --warmup 3 "
                                                  "--steps 8", cap=480)],
+        # Where TP's step goes against one GPU's: GPU time by kernel category (--profile), eager and compiled.
+        "tpprofile": [_train(n, "llama1b_tpprofile", f"{L1B} --batch 4 --strategy tp --impl pynccl --compile both "
+                                                     "--floor --profile --warmup 3 --steps 6", cap=300)],
         "zero3floor": [_train(n, "llama1b_zero3floor", f"{L1B} --batch 4 --strategy zero3 --compile both --floor "
                                                        "--warmup 3 --steps 8", cap=540)],
         "nanogpt": [("nanogpt", 300, f"python3 benchmarks/nanogpt_swap.py --nproc {n} --json {{out}}/nanogpt.json "
