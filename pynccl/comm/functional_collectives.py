@@ -75,8 +75,13 @@ def _scaled_dim0(x: torch.Tensor, numerator: int, denominator: int, what: str):
 # ----------------------------------------------------------------------------------- the ops
 @torch.library.custom_op("pynccl::all_reduce", mutates_args=())
 def all_reduce_op(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
-    collectives.all_reduce(out, _reduce_op(reduce_op), group=group_by_name(group_name))
+    # NOTE: out of place (NCCL reads x, writes out): a clone then an in-place all-reduce copied every
+    # traced all-reduce's input once more, 2.2 ms of a compiled tp 2 step of Llama 1.1B on 2xH100
+    # (RESULTS, tensor parallelism). The backend takes output=; collectives.all_reduce mirrors
+    # torch's signature, which has none.
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    group_by_name(group_name).backend.all_reduce(x, _reduce_op(reduce_op), False, output=out)
     return out
 
 
