@@ -181,8 +181,15 @@ def test_tp_scaling_against_the_one_gpu_run(tmp_path, capsys):
     (tmp_path / "b_1gpu.json").write_text(json.dumps(dict(head, world_size=1, rows=[
         row("tp", "pynccl", "1", 100.0), row("tp", "torch", "1", 100.0)])))
     (tmp_path / "c_other.json").write_text(json.dumps(dict(head, batch=8, rows=[row("tp", "torch", "1", 10.0)])))
+    # a --floor run of the same shape: its pair has its scaling from its own floor, reported once, by the floor lines
+    (tmp_path / "d_floor.json").write_text(json.dumps(dict(head, seq=64, rows=[
+        dict(row("tp", "pynccl", "tp2", 70.0), scaling=0.7, floor_ms=100.0),
+        dict(row("tp", "torch", "tp2", 80.0), scaling=0.8, floor_ms=100.0),
+        dict(row("tp", "plain", "1", 100.0), floor=True)])))
     assert train_bench_summary.main([str(tmp_path)]) == 0
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("TP scaling")]
+    out = capsys.readouterr().out.splitlines()
+    assert sum("scaling (step / one-GPU step" in ln for ln in out) == 1, out
+    lines = [ln for ln in out if ln.startswith("TP scaling")]
     assert len(lines) == 2, lines                       # the compiled row has no compiled one-GPU reference
     assert "pynccl TP (eager) at tp 2: 60.00 ms = 0.600 x the one-GPU 100.00 ms (b_1gpu); efficiency 83%" in lines[0]
     assert "DTensor TP (eager) at tp 2: 90.00 ms = 0.900 x" in lines[1]

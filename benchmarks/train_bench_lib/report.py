@@ -140,14 +140,16 @@ def tp_scaling(rows: List[dict]) -> List[str]:
     """TP's scaling against its one-GPU reference (rows of several runs, each with "run" and
     "model_shape"): a tp / tp-sp row's median step over the one-GPU plain model's (tp at world size
     1, torch's side) of the same model and per-rank batch, in the same mode; issue 27's target is
-    <= 0.6 at tp 2 (a scaling efficiency of >= 83 %)."""
+    <= 0.6 at tp 2 (a scaling efficiency of >= 83 %). A row that has its scaling from a --floor of
+    its own run (floor_lines reports it) is left out here, so no pair is reported twice."""
     ref = {(r["model_shape"], bool(r.get("compiled"))): r for r in rows
            if r["strategy"].startswith("tp") and r["impl"] in ("torch", "plain") and r["layout"] == "1"
            and not r.get("error")}
     out = []
     for r in rows:
         one = ref.get((r["model_shape"], bool(r.get("compiled"))))
-        if one is None or r.get("error") or not r["strategy"].startswith("tp") or not r["layout"].startswith("tp"):
+        if one is None or r.get("error") or not r["strategy"].startswith("tp") or not r["layout"].startswith("tp") \
+                or r.get("scaling") is not None:
             continue
         tp = int(r["layout"][2:])
         ratio = r["median_ms"] / one["median_ms"]
