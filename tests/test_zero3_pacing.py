@@ -20,7 +20,7 @@ def test_lead_from_env(monkeypatch):
 
 
 def test_cpu_never_waits():
-    pacer = BackwardPacer(torch.device("cpu"), 2)
+    pacer = BackwardPacer(torch.device("cpu"), 2, 60.0)
     assert pacer.lead == 0
     assert not any(pacer.block(i) for i in range(10))
     assert pacer.waits == 0
@@ -37,3 +37,26 @@ def test_bad_lead_is_refused_when_wrapping(monkeypatch):
         return True
 
     assert run_multiprocess(case, 1, backend="gloo") == [True]
+
+
+def test_a_gpu_that_never_gets_there_raises_instead_of_hanging(monkeypatch):
+    """The wait is bounded by twice the group's timeout (the watchdog acts at one): a fake event that
+    never completes, on a pacer made as on CUDA, raises PyncclError naming the block and the lead."""
+    from pynccl.errors import PyncclError
+    from pynccl.zero import backward_pacing
+
+    class NeverDone:
+        def record(self):
+            pass
+
+        def query(self):
+            return False
+
+    monkeypatch.setattr(backward_pacing.torch.cuda, "Event", NeverDone)
+    monkeypatch.setattr(backward_pacing.torch.cuda, "is_current_stream_capturing", lambda: False)
+    pacer = BackwardPacer(torch.device("cuda"), 2, timeout_s=0.05)
+    assert not pacer.block(11) and not pacer.block(10)          # the first `lead` blocks never wait
+    assert not pacer.block(10)                                  # announced again: counted once
+    with pytest.raises(PyncclError, match=r"before block 9's backward, the GPU did not reach the block 2 back "
+                                          r"within 0\.1 s"):
+        pacer.block(9)

@@ -19,13 +19,20 @@ instead of every block the host ran ahead.
 
 PYNCCL_ZERO3_BACKWARD_LEAD sets L (default DEFAULT_LEAD; 0 turns pacing off). Off on CPU (nothing
 runs ahead there) and while a CUDA graph is being captured (no host wait is allowed then).
+
+The wait polls the event, bounded: where the GPU is stuck (an all-gather whose peer died), the
+group's watchdog acts at its timeout (ends the process, or aborts the communicator, which ends the
+stuck kernel); should the GPU still not get there by twice that timeout, PyncclError, not a hang.
 """
 from __future__ import annotations
 
 import collections
 import os
+import time
 
 import torch
+
+from ..errors import PyncclError
 
 DEFAULT_LEAD = 2
 ENV = "PYNCCL_ZERO3_BACKWARD_LEAD"
@@ -50,8 +57,11 @@ class BackwardPacer:
     reduces that have completed). A block announced twice in a row (reentrant checkpointing hooks
     the recomputed outputs again) counts once."""
 
-    def __init__(self, device: torch.device, lead: int):
+    POLL_S = 1e-4
+
+    def __init__(self, device: torch.device, lead: int, timeout_s: float):
         self.lead = lead if device.type == "cuda" else 0
+        self.timeout_s = timeout_s
         self._events: collections.deque = collections.deque()
         self._last = None
         self.waits = 0                       # host waits so far (tests and diagnostics)
@@ -69,8 +79,15 @@ class BackwardPacer:
         self._events.append(event)
         if len(self._events) <= self.lead:
             return False
-        # NOTE: the default timeout policy still holds: a stuck all-gather under this event is the
-        # watchdog's to time out (it aborts the communicator, which ends the kernel and this wait).
-        self._events.popleft().synchronize()
+        self._wait(self._events.popleft(), index)
         self.waits += 1
         return True
+
+    def _wait(self, event: torch.cuda.Event, index: int) -> None:
+        deadline = time.monotonic() + 2 * self.timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise PyncclError(f"ZeRO-3 backward: before block {index}'s backward, the GPU did not reach the "
+                                  f"block {self.lead} back within {2 * self.timeout_s:g} s (twice the group's "
+                                  f"timeout; {ENV}=0 turns this pacing off)")
+            time.sleep(self.POLL_S)

@@ -117,7 +117,7 @@ class ShardedParamsRuntime:
         self._ready: Dict[int, torch.Tensor] = {}        # unit index -> full gradient waiting for its turn
         self._cursor = len(self.units) - 1               # next unit index to reduce (descending)
         self._pacer = BackwardPacer(self.units[0].full.device if self.units else torch.device("cpu"),
-                                    lead_from_env())  # backward_pacing.py: bounds the reduce inputs alive
+                                    lead_from_env(), group.timeout_s)  # backward_pacing.py: bounds reduce inputs alive
 
     def describe_gather_ring(self) -> str:
         ring = self.gather_ring
