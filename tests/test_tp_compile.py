@@ -176,12 +176,14 @@ def _opcheck_case(group):
                      (torch.ops.pynccl.reduce_scatter_tensor.default, (x, "sum", n, name))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     gathered = torch.ops.pynccl.all_gather_into_tensor(x, n, name)
+    before = x.clone()
     summed = torch.ops.pynccl.all_reduce(x, "sum", name)
     assert torch.equal(summed, gathered.view(n, 4, 3).sum(0)), "all_reduce != the sum of the gathered inputs"
-    # out of place: the input is left alone, and a non-contiguous one is read as its values
-    before = x.clone()
+    # out of place: the input is left alone (contiguous, where nothing copies it first), and a
+    # non-contiguous one is read as its values
+    assert torch.equal(x, before) and summed.data_ptr() != x.data_ptr()
     summed_t = torch.ops.pynccl.all_reduce(x.t(), "sum", name)
-    assert torch.equal(x, before) and summed_t.data_ptr() != x.data_ptr()
+    assert torch.equal(x, before)
     assert summed_t.is_contiguous() and torch.equal(summed_t, gathered.view(n, 4, 3).sum(0).t())
     assert torch.equal(torch.ops.pynccl.reduce_scatter_tensor(gathered, "sum", n, name),
                        gathered.chunk(n)[group.group_rank] * n), "reduce_scatter of the same input on every rank"

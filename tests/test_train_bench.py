@@ -275,13 +275,15 @@ def test_grad_ckpt_turns_on_hf_checkpointing_before_wrapping():
 
 
 def test_kernel_profile_categories_and_exposed_comm():
-    """--profile's arithmetic: an NCCL kernel half under a GEMM exposes only its other half; two
-    overlapping compute kernels count once in the busy time but fully in their categories."""
+    """--profile's arithmetic: an NCCL kernel 0.3 ms under a Triton kernel exposes only its other
+    0.7 ms; two overlapping compute kernels count once in the busy time but fully in their
+    categories; a peer-to-peer copy (a copy-engine collective) is communication, a local one is not."""
     from train_bench_lib.kernel_profile import category, summarize
     assert [category(n) for n in ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "nvjet_hsh_256x128_2x1_v_bz",
                                   "sm90_xmma_gemm_bf16bf16", "flash_fwd_kernel", "triton_poi_fused_add_0",
-                                  "Memcpy DtoD (Device -> Device)", "elementwise_kernel")] == \
-        ["nccl", "gemm", "gemm", "attention", "triton", "memcpy/memset", "other"]
+                                  "Memcpy DtoD (Device -> Device)", "Memcpy PtoP (Device -> Device)",
+                                  "elementwise_kernel")] == \
+        ["nccl", "gemm", "gemm", "attention", "triton", "memcpy/memset", "peer copies", "other"]
     kernels = [("nvjet_gemm", 0.0, 1000.0), ("triton_poi_fused", 500.0, 1500.0),
                ("ncclDevKernel_AllReduce", 1200.0, 2200.0)]
     s = summarize(kernels, steps=1, wall_ms=3.0)
@@ -289,3 +291,5 @@ def test_kernel_profile_categories_and_exposed_comm():
     assert s["exposed_comm"] == pytest.approx(0.7)
     assert (s["gemm"], s["triton"], s["nccl"], s["other"]) == pytest.approx((1.0, 1.0, 1.0, 0.0))
     assert summarize(kernels, steps=2, wall_ms=3.0)["busy"] == pytest.approx(1.1)
+    ce = summarize([("nvjet_gemm", 0.0, 1000.0), ("Memcpy PtoP (Device -> Device)", 800.0, 1800.0)], 1, 2.0)
+    assert ce["exposed_comm"] == pytest.approx(0.8) and ce["peer copies"] == pytest.approx(1.0)

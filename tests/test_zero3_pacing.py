@@ -41,8 +41,7 @@ def test_bad_lead_is_refused_when_wrapping(monkeypatch):
 
 def test_a_gpu_that_never_gets_there_raises_instead_of_hanging(monkeypatch):
     """The wait is bounded by twice the group's timeout (the watchdog acts at one): a fake event that
-    never completes, on a pacer made as on CUDA, raises PyncclError naming the block and the lead."""
-    from pynccl.errors import PyncclError
+    never completes, on a pacer made as on CUDA, raises TimeoutError naming the unit and the lead."""
     from pynccl.zero import backward_pacing
 
     class NeverDone:
@@ -57,6 +56,34 @@ def test_a_gpu_that_never_gets_there_raises_instead_of_hanging(monkeypatch):
     pacer = BackwardPacer(torch.device("cuda"), 2, timeout_s=0.05)
     assert not pacer.block(11) and not pacer.block(10)          # the first `lead` blocks never wait
     assert not pacer.block(10)                                  # announced again: counted once
-    with pytest.raises(PyncclError, match=r"before block 9's backward, the GPU did not reach the block 2 back "
+    with pytest.raises(TimeoutError, match=r"before unit 9.s backward, the GPU did not reach the unit 2 back "
                                           r"within 0\.1 s"):
         pacer.block(9)
+
+
+def _connect_case(rank, ws):
+    """One reduce per distinct unit size, on the reduce group, every rank alike; the units' reduces
+    of a real gradient give the same shards after it as without it."""
+    import pynccl
+    from pynccl.zero.backward_pacing import connect_reduce_paths
+
+    def shard_grads(connect):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+        model = pynccl.FullyShardedDataParallel(net, stage=3, wrap_modules=[torch.nn.Linear])
+        units = model._runtime.units
+        assert len(units) == 3 and len({u.layout.padded_numel for u in units}) == 2, [u.layout for u in units]
+        assert connect_reduce_paths(units) == 0                  # CPU units: nothing to connect
+        if connect:
+            assert connect_reduce_paths(units, device_types=("cpu",)) == 2
+        model(torch.full((2, 8), float(rank + 1))).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for a, b in zip(shard_grads(False), shard_grads(True)):
+        assert torch.equal(a, b)
+    return True
+
+
+def test_connect_reduce_paths_runs_one_reduce_per_size():
+    from pynccl.testing import run_multiprocess
+    assert run_multiprocess(_connect_case, 2, backend="gloo") == [True, True]

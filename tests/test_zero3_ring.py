@@ -111,11 +111,15 @@ def _run(kind, ring_slots, checkpointing, skips, optim, mixed, steps=3):
         _force_ring(ring_slots)
     rank, ws = pynccl.get_rank(), pynccl.get_world_size()
     mp = pynccl.zero.MixedPrecision(torch.bfloat16, torch.float32) if mixed else None
-    net = _Branchy(checkpointing, num_blocks=5) if kind == "branchy" else make_model(kind, checkpointing)
-    model = pynccl.FullyShardedDataParallel(net, stage=3, mixed_precision=mp)
+    branchy = kind.startswith("branchy")
+    if kind == "branchy-blocks":     # 6 blocks, the only units (the embedding and head form the root)
+        net, wrap = _Branchy(checkpointing, num_blocks=6), dict(wrap_modules=[nn.Sequential])
+    else:
+        net, wrap = (_Branchy(checkpointing, num_blocks=5) if branchy else make_model(kind, checkpointing)), {}
+    model = pynccl.FullyShardedDataParallel(net, stage=3, mixed_precision=mp, **wrap)
 
     def forward(x, skip=()):
-        return model(x, skip) if kind == "branchy" else model(input_ids=x, labels=x).loss
+        return model(x, skip) if branchy else model(input_ids=x, labels=x).loss
     ring = model._runtime.gather_ring
     assert (ring is not None) == bool(ring_slots), model._runtime.gather_ring_reason
     if ring is not None:
@@ -148,6 +152,9 @@ def _ring_equals_plain(rank, ws, cases):
                  # three blocks in a row left out on rank 1: there its backward gathers them at once, and
                  # must give their slots back before the gathers that follow (the runner has by then)
                  "rank1-run": lambda step, r: (1, 2, 3) if r == 1 and step == 1 else (),
+                 # four in a row at either end: the walks end on them (post_root_forward, _end_of_backward)
+                 "rank1-bottom4": lambda step, r: (0, 1, 2, 3) if r == 1 and step == 1 else (),
+                 "rank1-top4": lambda step, r: (2, 3, 4, 5) if r == 1 and step == 1 else (),
                  # test_zero_gpu's conditional blocks: one rank, both ranks, the other rank; the last block too
                  "mixed": lambda step, r: [(1,) if r == 1 else (), (0, 2), (4,) if r == 0 else ()][step]}[skip_name]
         plain = _run(kind, 0, checkpointing, skips, optim, mixed)
@@ -172,6 +179,8 @@ CASES = [
     ("branchy", 2, None, "mixed", "sgd", False),
     ("branchy", 3, None, "rank1-run", "sgd", False),   # the default R; found hanging on 2xH100 (session 10)
     ("branchy", 3, False, "rank1-run", "adamw", True),
+    ("branchy-blocks", 3, None, "rank1-bottom4", "sgd", False),  # found in session 10's review
+    ("branchy-blocks", 3, None, "rank1-top4", "sgd", False),
     ("branchy", 4, True, "mixed", "adamw", False),
     ("llama", 4, False, "none", "adamw", True),      # HF gradient checkpointing
     ("gpt2", 2, True, "none", "sgd", False),         # and a root unit (the tied embedding) beside the ring

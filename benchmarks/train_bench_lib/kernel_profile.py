@@ -8,7 +8,8 @@ read from it: comm time not under any compute kernel = busy - compute busy. A ca
 exceed the wall time where its kernels run concurrently on several streams.
 
 Categories come from kernel names (the first pattern that matches, in CATEGORIES' order): NCCL
-kernels and copy-engine memcpy/memset (comm, copies), GEMMs (cuBLAS / cuBLASLt / CUTLASS / nvjet),
+kernels and peer-to-peer copies (communication: NCCL's copy-engine collectives, e.g. ZeRO-3's
+ring all-gathers, run as PtoP memcpys), other memcpy/memset, GEMMs (cuBLAS / cuBLASLt / CUTLASS / nvjet),
 attention (flash / efficient / cudnn SDPA), Triton (inductor's fused kernels) and the rest
 (eager elementwise and reductions). This is a diagnostic: the profiler adds a little host time per
 kernel, so the timed steps of the row are measured without it.
@@ -23,13 +24,14 @@ import torch
 PROFILED_STEPS = 2
 CATEGORIES: List[Tuple[str, re.Pattern]] = [
     ("nccl", re.compile(r"nccl", re.I)),
-    ("memcpy/memset", re.compile(r"^(Memcpy|Memset)|memcpy|memset", re.I)),
+    ("peer copies", re.compile(r"memcpy.*PtoP|PtoP.*memcpy", re.I)),   # copy-engine collectives (NCCL >= 2.28)
+    ("memcpy/memset", re.compile(r"memcpy|memset", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|nvjet|sm\d+_xmma|cublas", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|cudnn", re.I)),
     ("triton", re.compile(r"^triton", re.I)),
     ("other", re.compile(r"")),
 ]
-COMM = ("nccl",)
+COMM = ("nccl", "peer copies")
 
 
 def category(name: str) -> str:

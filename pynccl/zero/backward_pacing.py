@@ -12,17 +12,25 @@ a rank whose backward skipped a block starts that block's reduce only at the end
 the other rank needs to get there: a hang on NCCL. Waiting for reduces on the host hangs the same
 way. So the host is paced on its own compute stream instead: at each block's backward, before
 enqueuing it, the host waits until the GPU has reached the backward of the block `lead` blocks
-back. That wait depends on no reduce-scatter at all, only on compute and on all-gathers this rank
-has already started (prefetch comes before the wait), so it cannot deadlock; the reduces the GPU
-has finished by then are freed right after it. With lead L, about L + 1 reduce inputs are alive
-instead of every block the host ran ahead.
+back. That wait depends on no reduce-scatter, only on compute and on all-gathers this rank has
+already started (prefetch comes before the wait), and the peers start their matching gathers as
+long as their hosts move. One thing can stop a peer's host: NCCL connects a communicator's
+algorithm on its first use, and that call blocks on the host until every rank makes it. A peer
+whose first reduce-scatter waits for this rank's deferred one, while this rank waits here for a
+gather that peer has not started, would hang. So where pacing is on, connect_reduce_paths runs
+each reduce the model will run (every unit size; hybrid, the replicas' all-reduce too) once at
+wrap time, on every rank alike, and a reduce call no longer blocks the host in backward. The
+reduces the GPU has finished by the wait are freed right after it. With lead L,
+about L + 2 reduce inputs are alive (blocks k+1 .. k+L, the one just started, and at most one
+still running when the reduce stream keeps up) instead of every block the host ran ahead.
 
 PYNCCL_ZERO3_BACKWARD_LEAD sets L (default DEFAULT_LEAD; 0 turns pacing off). Off on CPU (nothing
-runs ahead there) and while a CUDA graph is being captured (no host wait is allowed then).
+runs ahead there), while a CUDA graph is being captured (no host wait is allowed then) and in a
+backward that does not reduce (gradient accumulation: nothing to bound; stage3.py).
 
 The wait polls the event, bounded: where the GPU is stuck (an all-gather whose peer died), the
 group's watchdog acts at its timeout (ends the process, or aborts the communicator, which ends the
-stuck kernel); should the GPU still not get there by twice that timeout, PyncclError, not a hang.
+stuck kernel); should the GPU still not get there by twice that timeout, TimeoutError, not a hang.
 """
 from __future__ import annotations
 
@@ -32,7 +40,8 @@ import time
 
 import torch
 
-from ..errors import PyncclError
+from ..comm import distributed as dist
+from ..comm.reduce_op import ReduceOp
 
 DEFAULT_LEAD = 2
 ENV = "PYNCCL_ZERO3_BACKWARD_LEAD"
@@ -52,9 +61,9 @@ def lead_from_env() -> int:
 
 
 class BackwardPacer:
-    """One per ZeRO-3 runtime. reset() at the start of each backward; block(index) at each block's
+    """One per ZeRO-3 runtime. reset() at the start of each backward; block(index) at each unit's
     backward, before its work is enqueued: returns True when it waited (the caller then frees the
-    reduces that have completed). A block announced twice in a row (reentrant checkpointing hooks
+    reduces that have completed). A unit announced twice in a row (reentrant checkpointing hooks
     the recomputed outputs again) counts once."""
 
     POLL_S = 1e-4
@@ -63,17 +72,17 @@ class BackwardPacer:
         self.lead = lead if device.type == "cuda" else 0
         self.timeout_s = timeout_s
         self._events: collections.deque = collections.deque()
-        self._last = None
+        self._last_index = None
         self.waits = 0                       # host waits so far (tests and diagnostics)
 
     def reset(self) -> None:
         self._events.clear()
-        self._last = None
+        self._last_index = None
 
     def block(self, index: int) -> bool:
-        if self.lead == 0 or index == self._last or torch.cuda.is_current_stream_capturing():
+        if self.lead == 0 or index == self._last_index or torch.cuda.is_current_stream_capturing():
             return False
-        self._last = index
+        self._last_index = index
         event = torch.cuda.Event()
         event.record()
         self._events.append(event)
@@ -87,7 +96,27 @@ class BackwardPacer:
         deadline = time.monotonic() + 2 * self.timeout_s
         while not event.query():
             if time.monotonic() > deadline:
-                raise PyncclError(f"ZeRO-3 backward: before block {index}'s backward, the GPU did not reach the "
-                                  f"block {self.lead} back within {2 * self.timeout_s:g} s (twice the group's "
+                raise TimeoutError(f"ZeRO-3 backward: before unit {index}'s backward, the GPU did not reach the "
+                                  f"unit {self.lead} back within {2 * self.timeout_s:g} s (twice the group's "
                                   f"timeout; {ENV}=0 turns this pacing off)")
             time.sleep(self.POLL_S)
+
+
+def connect_reduce_paths(units, device_types=("cuda",)) -> int:
+    """Collective over the units' groups, at wrap time, the same on every rank: one reduce of zeros
+    per distinct (size, dtype) of the units' gradient reduces, as ShardedUnit.reduce_grad makes it
+    (a reduce-scatter with AVG on the reduce group, then, hybrid, an all-reduce of the shard over
+    the replicas), so that NCCL has connected every algorithm backward will use (see above).
+    Units on other device types are left out (gloo connects at init). Returns the reduces run."""
+    seen = set()
+    for u in units:
+        key = (u.layout.padded_numel, u.reduce_dtype)
+        if key in seen or u.full.device.type not in device_types or u.reduce_group.world_size == 1:
+            continue
+        seen.add(key)
+        inp = torch.zeros(u.layout.padded_numel, dtype=u.reduce_dtype, device=u.full.device)
+        out = torch.empty(u.layout.shard_numel, dtype=u.reduce_dtype, device=u.full.device)
+        dist.reduce_scatter_tensor(out, inp, op=ReduceOp.AVG, group=u.reduce_group)
+        if u.replicate_group is not None:
+            dist.all_reduce(out, op=ReduceOp.AVG, group=u.replicate_group)
+    return len(seen)

@@ -41,15 +41,17 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from ..comm.groups import duplicate_group
-from .backward_pacing import BackwardPacer, lead_from_env
+from .backward_pacing import BackwardPacer, connect_reduce_paths, lead_from_env
 from .flat_unit import ReduceQueue, ShardedUnit
 from .gather_ring import build_gather_ring
+from .gather_walk import GatherWalk
 from .layout import FlatLayout
 from .params import ParamInfo, install
 
 
-class ShardedParamsRuntime:
-    """Owns the stage-3 units, their module hooks and the saved-tensor hooks."""
+class ShardedParamsRuntime(GatherWalk):
+    """Owns the stage-3 units, their module hooks and the saved-tensor hooks; the gather walks are
+    GatherWalk's (gather_walk.py)."""
 
     def __init__(self, unit_modules: List[nn.Module], infos: List[ParamInfo],
                  tensors: List[torch.Tensor], group, policy, sync_module_states: bool, replicate_group=None):
@@ -118,6 +120,8 @@ class ShardedParamsRuntime:
         self._cursor = len(self.units) - 1               # next unit index to reduce (descending)
         self._pacer = BackwardPacer(self.units[0].full.device if self.units else torch.device("cpu"),
                                     lead_from_env(), group.timeout_s)  # backward_pacing.py: bounds reduce inputs alive
+        if self._pacer.lead:
+            connect_reduce_paths(self.units)
 
     def describe_gather_ring(self) -> str:
         ring = self.gather_ring
@@ -161,40 +165,6 @@ class ShardedParamsRuntime:
         views = unit.full.split(unit.layout.split_sizes)[1::2]       # odd positions: the parameters
         for info, v in zip(self.unit_infos[unit.index], views):
             install(info, v.view(info.shape))
-
-    # ------------------------------------------------------------------ gather order
-    # NOTE: an all-gather is a collective: every rank must start the same units' gathers in the
-    # same order, even where a conditional branch skips a unit on some ranks. So gathers follow
-    # one fixed order, not the order the hooks happen to fire: forward walks the non-root units
-    # by ascending index (a unit the walk passes over is gathered anyway, then freed), backward
-    # by descending index. A model that runs its blocks in order gathers each once, as before.
-    @property
-    def forward_order(self) -> List[ShardedUnit]:
-        return self._blocks
-
-    def _forward_gather_to(self, pos: int, free_passed: bool) -> None:
-        """Start the gathers of blocks [cursor, pos]; with free_passed, free those before pos
-        (skipped by this rank's forward: gathered only to match the other ranks)."""
-        while self._fwd <= min(pos, len(self._blocks) - 1):
-            unit = self._blocks[self._fwd]
-            self._start_gather(unit)
-            if free_passed and self._fwd < pos:
-                self._free(unit)
-            self._fwd += 1
-
-    def _backward_gather_to(self, pos: int, passed_above: Optional[int] = None) -> None:
-        """Start the gathers of blocks [pos, cursor], descending (passed-over ones stay gathered
-        until the end of backward: their memory is freed there). passed_above=p: the blocks above
-        p gathered here were skipped by this rank's backward; each leaves the gather ring as soon
-        as its gather starts, before the next one takes a slot, as the ranks that run it have
-        given its slot back by then (gather_ring.py: a slot freed late here would make this rank
-        spill where they do not, and pair different all-gather kernels: a hang)."""
-        while self._bwd >= max(pos, 0):
-            unit = self._blocks[self._bwd]
-            self._start_gather(unit)
-            if passed_above is not None and self._bwd > passed_above and unit.index not in self._bwd_touched:
-                self._leave_ring(unit)
-            self._bwd -= 1
 
     # ------------------------------------------------------------------ forward
     # NOTE: torch.compile must not trace the forward bookkeeping (collectives, parameter swaps:
@@ -255,7 +225,10 @@ class ShardedParamsRuntime:
         grad = torch.is_grad_enabled()
         if grad:
             self._hook_outputs(output, lambda *unused: self._queue_end())
-        self._forward_gather_to(len(self._blocks) - 1, free_passed=False)   # blocks this rank skipped
+        # Blocks this rank skipped after the last one it ran: out of the ring before the gathers take
+        # slots, each freed once its gather starts but the last (see _backward_gather_to).
+        self._release_passed(len(self._blocks), backward=False)
+        self._forward_gather_to(len(self._blocks) - 1, free_passed=True)
         last = self._blocks[-1] if self._blocks else None
         for u in self.units:
             if (u is self.root or u is last) and grad:
@@ -287,33 +260,8 @@ class ShardedParamsRuntime:
         with torch.enable_grad():
             self._use_full(unit)
         self._backward_gather_to(pos - 1)              # prefetch
-        if self._pacer.block(unit.index):              # after the prefetch: see backward_pacing.py
+        if self.sync_grads and self._pacer.block(unit.index):    # after the prefetch: see backward_pacing.py
             self.in_flight.trim_completed()
-
-    def _leave_passed(self, unit: ShardedUnit, pos: int, backward: bool) -> None:
-        """Forward (backward) reached block `pos`: blocks before it in that walk that it never
-        used were skipped by this rank (other ranks may run them). A skipped block that was
-        already gathered (prefetched) stays gathered as before, but out of the gather ring (a
-        copy), so it holds no slot longer here than on the ranks that run it and every rank
-        keeps taking the same slots (gather_ring.py)."""
-        touched = self._bwd_touched if backward else self._fwd_touched
-        touched.add(unit.index)
-        step = -1 if backward else 1
-        cursor = self._bwd_passed if backward else self._fwd_passed
-        while (cursor - pos) * step < 0:
-            passed = self._blocks[cursor]
-            if passed.index not in touched:
-                self._leave_ring(passed)
-            cursor += step
-        if backward:
-            self._bwd_passed = cursor
-        else:
-            self._fwd_passed = cursor
-
-    def _leave_ring(self, unit: ShardedUnit) -> None:
-        if unit.ring_slot is not None:
-            unit.leave_ring()
-            self._by_storage[unit.full.untyped_storage().data_ptr()] = unit
 
     def _post_backward(self, unit: ShardedUnit, full: torch.Tensor) -> None:
         self._queue_end()
@@ -346,7 +294,9 @@ class ShardedParamsRuntime:
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
-        self._backward_gather_to(0)                    # blocks this rank's backward skipped
+        # Blocks this rank's backward skipped below the last one it ran: as in _pre_backward.
+        self._release_passed(-1, backward=True)
+        self._backward_gather_to(0, passed_above=-1)
         if self.sync_grads:
             self._reduce_in_order(final=True)
         self.drain()
