@@ -181,6 +181,7 @@ CASES = [
     ("branchy", 3, False, "rank1-run", "adamw", True),
     ("branchy-blocks", 3, None, "rank1-bottom4", "sgd", False),  # found in session 10's review
     ("branchy-blocks", 3, None, "rank1-top4", "sgd", False),
+    ("branchy-blocks", 3, True, "rank1-top4", "sgd", False),     # reentrant: the last block kept alike (a hang before)
     ("branchy", 4, True, "mixed", "adamw", False),
     ("llama", 4, False, "none", "adamw", True),      # HF gradient checkpointing
     ("gpt2", 2, True, "none", "sgd", False),         # and a root unit (the tied embedding) beside the ring

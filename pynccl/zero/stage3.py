@@ -115,6 +115,7 @@ class ShardedParamsRuntime(GatherWalk):
         self._fwd_touched, self._bwd_touched = set(), set()
         self._fwd_passed, self._bwd_passed = 0, len(self._blocks) - 1
         self.sync_grads = True
+        self._root_grad = False                          # the grad mode of the root forward running now
         self.in_flight = ReduceQueue(0)               # see _reduce_in_order: drained at the end of backward
         self._ready: Dict[int, torch.Tensor] = {}        # unit index -> full gradient waiting for its turn
         self._cursor = len(self.units) - 1               # next unit index to reduce (descending)
@@ -172,7 +173,8 @@ class ShardedParamsRuntime(GatherWalk):
     # unit is compiled (module.compile() compiles __call__, hooks included): it runs eagerly.
     @torch._disable_dynamo
     def pre_root_forward(self, sync_grads: bool) -> None:
-        if torch.is_grad_enabled():                    # an evaluation forward leaves a pending backward alone
+        self._root_grad = torch.is_grad_enabled()
+        if self._root_grad:                            # an evaluation forward leaves a pending backward alone
             self.sync_grads = sync_grads
             self._end_queued = False                   # a backward that raised never ran its callback
         if self.root is not None:
@@ -205,8 +207,11 @@ class ShardedParamsRuntime(GatherWalk):
         if torch.is_grad_enabled():
             self._hook_outputs(output, functools.partial(self._pre_backward, unit))
         # The last block is the first of backward, and a recomputed unit's backward comes right
-        # after its recomputation: keep those.
-        keep = _in_backward() or (torch.is_grad_enabled() and unit is self._blocks[-1])
+        # after its recomputation: keep those. NOTE: "will backward come" is the root forward's grad
+        # mode, not this block's: reentrant checkpointing runs the block under no_grad, and a rank
+        # that skipped it keeps it in post_root_forward; had the two decided differently, only one
+        # would gather it in backward (an all-gather the other never makes: a hang).
+        keep = _in_backward() or (self._root_grad and unit is self._blocks[-1])
         if not keep:
             self._free(unit)
 
