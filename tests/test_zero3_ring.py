@@ -244,3 +244,16 @@ def _block_and_root_numels(rank, ws):
                                             mixed_precision=pynccl.zero.MixedPrecision(torch.bfloat16, torch.bfloat16))
     rt = model._runtime
     return [u.layout.padded_numel for u in rt.forward_order], (rt.root.layout.padded_numel if rt.root else 0)
+
+
+def _checked_skip(rank, ws):
+    _run("branchy", 3, None, lambda step, r: (1,) if r == 1 and step == 1 else (), "sgd", False)
+    return True
+
+
+def test_check_collectives_with_a_skipped_block():
+    """The signature check blocks the host before each collective until every rank has published;
+    on the reduce-scatters' communicator a rank that skipped a block publishes only at the end of
+    its backward, after gathers this rank would no longer start: the check must leave that
+    communicator alone (its order is fixed by construction) or it hangs where it should help."""
+    assert run_multiprocess(_checked_skip, 2, timeout=120, env={"PYNCCL_CHECK_COLLECTIVES": "1"}) == [True] * 2

@@ -184,12 +184,14 @@ def _next_group_name() -> str:
     return f"group{_state.num_groups_created}"
 
 
-def _register(sub, ranks: List[int], name: str, timeout_s: float, backend_name: str) -> ProcessGroup:
-    """The ProcessGroup around a split's result (`sub` None on a rank outside `ranks`)."""
+def _register(sub, ranks: List[int], name: str, timeout_s: float, backend_name: str,
+              checked: bool = True) -> ProcessGroup:
+    """The ProcessGroup around a split's result (`sub` None on a rank outside `ranks`); checked=False
+    keeps it out of the cross-rank signature check (duplicate_group says when)."""
     if sub is None:
         sub = _Unusable(ValueError(f"rank {_state.world.group_rank} is not a member of group '{name}' "
                                    f"(global ranks {ranks})"))
-    else:
+    elif checked:
         sub = _maybe_checked(sub, name)
     group = ProcessGroup(sub, ranks, name, timeout_s, backend_name)
     _state.groups.append(group)
@@ -225,15 +227,20 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Opti
     return group if group.is_member else NON_GROUP_MEMBER
 
 
-def duplicate_group(group, desc: str) -> ProcessGroup:
+def duplicate_group(group, desc: str, checked: bool = True) -> ProcessGroup:
     """A second group over `group`'s ranks, with its own communicator: the collectives of the two
     are ordered independently. Made on the first call for (group, desc), collective over `group`'s
-    members only, then cached on `group` (every later caller shares it); destroyed with the others."""
+    members only, then cached on `group` (every later caller shares it); destroyed with the others.
+    checked=False: never behind PYNCCL_CHECK_COLLECTIVES's signature check, for a group whose
+    order is fixed by construction but whose timing is not (the check blocks the host until every
+    rank reaches the collective; ZeRO-3's reduce-scatters, which a rank that skipped a block starts
+    only at the end of its backward, would hang against the all-gathers on the other group)."""
     g = _require_usable(resolve_group(group))
     dups = g.__dict__.setdefault("_duplicates", {})
     if desc not in dups or dups[desc] not in _state.groups:
         name = f"{g.name}.dup[{desc}]"
-        dups[desc] = _register(g.backend.duplicate(g.timeout_s, name), g.ranks, name, g.timeout_s, g.backend_name)
+        dups[desc] = _register(g.backend.duplicate(g.timeout_s, name), g.ranks, name, g.timeout_s, g.backend_name,
+                               checked)
     return dups[desc]
 
 

@@ -70,8 +70,9 @@ class ShardedParamsRuntime(GatherWalk):
         # NOTE: all-gathers follow one fixed order, and reduce-scatters another (see below), but how
         # the two interleave depends on which hooks fire on each rank (a block one rank skips
         # reduces only at the end there). On one communicator that mismatch would hang, so the
-        # reduce-scatters run on a second communicator over the same ranks.
-        self.reduce_group = duplicate_group(group, "zero3-reduce") if group.world_size > 1 else group
+        # reduce-scatters run on a second communicator over the same ranks, outside
+        # PYNCCL_CHECK_COLLECTIVES's host-blocking check for the same reason (duplicate_group).
+        self.reduce_group = duplicate_group(group, "zero3-reduce", checked=False) if group.world_size > 1 else group
         self.units: List[ShardedUnit] = []
         self.unit_infos: List[List[ParamInfo]] = []
         self.root: Optional[ShardedUnit] = None
