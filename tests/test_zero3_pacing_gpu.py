@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -17,19 +16,10 @@ import pynccl
 from pynccl.testing import run_multiprocess
 from pynccl.zero.backward_pacing import ENV
 
+from test_zero_gpu import _SlowBackward            # identity whose backward keeps the stream busy ~10 ms
+
 BLOCKS, D, ROWS, STEPS, LEAD = 12, 64, 32, 3, 2
 SKIP_STEP, SKIPPED = 1, (3, 4, 5)      # rank 1 skips these blocks in step SKIP_STEP
-
-
-class _SlowBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        torch.cuda._sleep(20_000_000)          # ~10 ms on an H100
-        return grad
 
 
 class SlowBlocks(nn.Module):

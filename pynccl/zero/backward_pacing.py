@@ -40,8 +40,6 @@ import time
 
 import torch
 
-from ..comm import distributed as dist
-from ..comm.reduce_op import ReduceOp
 
 DEFAULT_LEAD = 2
 ENV = "PYNCCL_ZERO3_BACKWARD_LEAD"
@@ -104,9 +102,9 @@ class BackwardPacer:
 
 def connect_reduce_paths(units, device_types=("cuda",)) -> int:
     """Collective over the units' groups, at wrap time, the same on every rank: one reduce of zeros
-    per distinct (size, dtype) of the units' gradient reduces, as ShardedUnit.reduce_grad makes it
-    (a reduce-scatter with AVG on the reduce group, then, hybrid, an all-reduce of the shard over
-    the replicas), so that NCCL has connected every algorithm backward will use (see above).
+    per distinct (size, dtype) of the units' gradient reduces, through the unit's own reduce_grad
+    (and, hybrid, its all-reduce across replicas), so that NCCL has connected every algorithm
+    backward will use (see above).
     Units on other device types are left out (gloo connects at init). Returns the reduces run."""
     seen = set()
     for u in units:
@@ -114,9 +112,8 @@ def connect_reduce_paths(units, device_types=("cuda",)) -> int:
         if key in seen or u.full.device.type not in device_types or u.reduce_group.world_size == 1:
             continue
         seen.add(key)
-        inp = torch.zeros(u.layout.padded_numel, dtype=u.reduce_dtype, device=u.full.device)
-        out = torch.empty(u.layout.shard_numel, dtype=u.reduce_dtype, device=u.full.device)
-        dist.reduce_scatter_tensor(out, inp, op=ReduceOp.AVG, group=u.reduce_group)
-        if u.replicate_group is not None:
-            dist.all_reduce(out, op=ReduceOp.AVG, group=u.replicate_group)
+        pending = u.reduce_grad([torch.zeros(u.layout.padded_numel, dtype=u.reduce_dtype, device=u.full.device)])
+        if pending.replicas_left:
+            u.reduce_across_replicas(pending)
+        pending.work.wait()                              # finish_reduce without adding to .grad
     return len(seen)

@@ -51,6 +51,15 @@ class GatherWalk:
                 self._leave_ring(unit)
             self._bwd -= 1
 
+    def _backward_reach(self, pos: int, unit: Optional[ShardedUnit] = None) -> None:
+        """Backward reached block `pos` (`unit`; pos -1 and no unit: the end of backward). Blocks
+        passed over since the last call leave the ring first, then the walk gathers down to pos,
+        each skipped block leaving the ring as its gather starts (see _backward_gather_to)."""
+        if unit is not None:
+            self._bwd_touched.add(unit.index)
+        self._release_passed(pos, backward=True)
+        self._backward_gather_to(pos, passed_above=pos)
+
     def _leave_passed(self, unit: ShardedUnit, pos: int, backward: bool) -> None:
         """Forward (backward) reached block `pos`: blocks before it in that walk that it never
         used were skipped by this rank (other ranks may run them). A skipped block that was

@@ -193,8 +193,7 @@ class ShardedParamsRuntime(GatherWalk):
         # _backward_gather_to).
         if _in_backward():                             # recomputation (activation checkpointing)
             self._queue_end()
-            self._leave_passed(unit, pos, backward=True)
-            self._backward_gather_to(pos, passed_above=pos)
+            self._backward_reach(pos, unit)
         else:
             self._leave_passed(unit, pos, backward=False)
             self._forward_gather_to(pos, free_passed=True)
@@ -228,7 +227,7 @@ class ShardedParamsRuntime(GatherWalk):
         # NOTE: backward reaches the model's outputs first, in the outermost autograd task: queue
         # the end-of-backward callback there. Queued from a unit hook instead, it could land in
         # a nested task (reentrant checkpointing runs one per unit) and fire too early.
-        grad = torch.is_grad_enabled()
+        grad = self._root_grad                         # the same decision as _post_forward's
         if grad:
             self._hook_outputs(output, lambda *unused: self._queue_end())
         # Blocks this rank skipped after the last one it ran: out of the ring before the gathers take
@@ -257,8 +256,7 @@ class ShardedParamsRuntime(GatherWalk):
     def _pre_backward(self, unit: ShardedUnit, *unused) -> None:
         self._queue_end()
         pos = self._pos[unit.index]
-        self._leave_passed(unit, pos, backward=True)   # first: see _pre_forward
-        self._backward_gather_to(pos, passed_above=pos)
+        self._backward_reach(pos, unit)
         self._ensure(unit)
         # A checkpoint around the module's forward (not its __call__, as HF's layers do) recomputes
         # it without running our forward hooks: the parameters must already be in place, as
@@ -300,9 +298,7 @@ class ShardedParamsRuntime(GatherWalk):
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
-        # Blocks this rank's backward skipped below the last one it ran: as in _pre_backward.
-        self._release_passed(-1, backward=True)
-        self._backward_gather_to(0, passed_above=-1)
+        self._backward_reach(-1)                       # blocks skipped below the last one this backward ran
         if self.sync_grads:
             self._reduce_in_order(final=True)
         self.drain()
