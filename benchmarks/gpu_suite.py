@@ -101,6 +101,17 @@ def groups(n):
                                               f"--repeats 2 --warmup 2 --no-diagnostics {NOGRAPH} --levers comm-default "
                                               f"comm-copy-engine overlap-optimizer bf16-wire "
                                               f"--json {{out}}/ddp_medium.json"))],
+        # Issue 26's tied-embedding tail (tied_embedding_rows) and the levers that each beat the default,
+        # together: the NCCL test, then nanoGPT and GPT-2 medium windows.
+        "tiedrows": [("tiedrows_tests", 150, f"{tests} tests/test_ddp_embedding_rows_gpu.py"),
+                     ("tiedrows_nano", 240, _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m --steps 8 "
+                                                      "--repeats 2 --warmup 3 --no-diagnostics --levers tied-rows "
+                                                      "comm-copy-engine copy-engine+grad-view "
+                                                      "copy-engine+grad-view+tied-rows --json {out}/tiedrows_nano.json")),
+                     ("tiedrows_medium", 240, _torchrun(n, "benchmarks/ddp_bench.py", f"--model hf-gpt2-medium --steps 5 "
+                                                        f"--repeats 2 --warmup 2 --no-diagnostics {NOGRAPH} --levers "
+                                                        f"tied-rows copy-engine+grad-view+tied-rows "
+                                                        f"--json {{out}}/tiedrows_medium.json"))],
         # Issue 26's early unpack: its tests, then its A/B (the default of reducer.unpack_early).
         "unpack": [("unpack_tests", 180, f"{tests} tests/test_ddp_unpack_gpu.py tests/test_nccl_inputs_buckets.py"),
                    ("unpack_ab", 240, _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m --steps 8 "

@@ -14,18 +14,19 @@ def test_ddp_bench_levers_on_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "ddp_bench.py"), "--device", "cpu",
                            "--nproc", "2", "--model", "tiny", "--steps", "2", "--repeats", "2", "--warmup", "1",
-                           "--levers", "bucket-10mb", "first-bucket-25mb", "cta-efficiency", "unpack-early", "--json", str(out)],
+                           "--levers", "bucket-10mb", "first-bucket-25mb", "cta-efficiency", "unpack-early", "tied-rows",
+                           "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["world_size"] == 2 and r["model"] == "tiny" and r["num_params"] > 0
-    # The baselines' samples from both lever windows (2 repeats x 2 steps each).
+    # The baselines' samples from the three lever windows that ran (2 repeats x 2 steps each).
     assert set(r["modes"]) == {"no DDP", "torch DDP", "pynccl DDP"}
-    assert all(m["n"] == 8 and m["median_ms"] > 0 for m in r["modes"].values()), r["modes"]
+    assert all(m["n"] == 12 and m["median_ms"] > 0 for m in r["modes"].values()), r["modes"]
     rows = {row["mode"]: row for row in r["levers"]}
     assert list(rows) == ["pynccl DDP + bucket-10mb", "pynccl DDP + first-bucket-25mb", "pynccl DDP + cta-efficiency",
-                          "pynccl DDP + unpack-early"]
-    for name in ("pynccl DDP + bucket-10mb", "pynccl DDP + first-bucket-25mb"):
+                          "pynccl DDP + unpack-early", "pynccl DDP + tied-rows"]
+    for name in ("pynccl DDP + bucket-10mb", "pynccl DDP + first-bucket-25mb", "pynccl DDP + tied-rows"):
         assert all(rows[name][k] > 0 for k in ("step_ms", "floor_ms", "torch_ms", "default_ms")), rows[name]
     assert rows["pynccl DDP + cta-efficiency"]["skipped"] == "needs the nccl backend"
     assert rows["pynccl DDP + unpack-early"]["skipped"] == "needs the nccl backend"   # a CUDA-only path

@@ -67,6 +67,15 @@ LEVERS = {lv.name: lv for lv in [
           "all-reduce ends (exact); backward's end only joins streams", unpack_early=True),
     Lever("unpack-late", "reducer.unpack_early=False: every bucket unpacked on the compute stream at the end of "
           "backward", unpack_early=False),
+    # Issue 26, item 3: the tied embedding's tail (pynccl/ddp/embedding_rows.py).
+    Lever("tied-rows", "tied_embedding_rows=True: the tied weight's head part all-reduced as soon as it is in, the "
+          "lookup part exchanged as the rows of this rank's tokens at the end (opt-in)",
+          ddp_kwargs=dict(tied_embedding_rows=True)),
+    # Levers that each measured below the default, together (never timed together before session 11).
+    Lever("copy-engine+grad-view", "comm_path='copy_engine' and gradient_as_bucket_view=True", min_nccl=(2, 28, 0),
+          ddp_kwargs=dict(comm_path="copy_engine", gradient_as_bucket_view=True)),
+    Lever("copy-engine+grad-view+tied-rows", "the two above and tied_embedding_rows=True", min_nccl=(2, 28, 0),
+          ddp_kwargs=dict(comm_path="copy_engine", gradient_as_bucket_view=True, tied_embedding_rows=True)),
     Lever("unpack-early-tail4", "unpack-early, and the last bucket's pack / all-reduce / unpack pipelined over 4 "
           "slices (its unpack overlaps its all-reduce)", unpack_early=True, tail_chunks=4),
 ]}

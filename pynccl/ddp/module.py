@@ -21,6 +21,7 @@ inside the captured region when gradient_as_bucket_view=True).
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 from typing import List, Optional
 
@@ -32,6 +33,8 @@ from ..comm import distributed as dist
 from ..comm.coalesced import MiB, broadcast_from_rank0, coalesced_broadcaster
 from ..comm.groups import resolve_group
 from . import comm_path as comm_paths
+from . import hooks as comm_hooks
+from .embedding_rows import TiedEmbeddingRows, tied_embeddings
 from .join import Join
 from .optimizer_overlap import OptimizerOverlap
 from .reducer import Reducer
@@ -97,12 +100,16 @@ class DistributedDataParallel(nn.Module):
     comm_path (pynccl's own, keyword only): how the buckets are all-reduced on NCCL: "auto"
     (default; PYNCCL_DDP_COMM_PATH overrides), "default", "symmetric" or "copy_engine"
     (comm_path.py); `reducer.comm_path` says what is in use and why.
+    tied_embedding_rows (pynccl's own, keyword only, opt-in): a tied embedding's lookup gradient is
+    exchanged as the rows its tokens touched, apart from the head's part (embedding_rows.py);
+    None: PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns it on for models that have one (default off).
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
                  broadcast_buffers: bool = True, process_group=None, bucket_cap_mb=25,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, *, comm_path: Optional[str] = None):
+                 static_graph: bool = False, *, comm_path: Optional[str] = None,
+                 tied_embedding_rows: Optional[bool] = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -149,6 +156,11 @@ class DistributedDataParallel(nn.Module):
         self._join = None                    # the active join() context (join.py), if any
         self.reducer = Reducer(named_params, group, self.bucket_bytes_cap, find_unused_parameters,
                                gradient_as_bucket_view, static_graph, comm_paths.resolve(comm_path))
+        if tied_embedding_rows is None:      # the environment asks only where the model has a tied embedding
+            asked = os.environ.get("PYNCCL_DDP_TIED_EMBEDDING_ROWS", "0") not in ("", "0")
+            tied_embedding_rows = asked and bool(tied_embeddings(module))
+        if tied_embedding_rows:
+            self.reducer.tied_rows = TiedEmbeddingRows(self, tied_embeddings(module))
 
     @staticmethod
     def _trainable_params(module: nn.Module) -> List[tuple]:
@@ -218,6 +230,9 @@ class DistributedDataParallel(nn.Module):
         """Context manager for uneven inputs across ranks (torch's DDP.join): a rank whose loop
         ended takes part, with zero gradients, in the others' collectives until all are done, then
         every rank gets the last joiner's parameters. See join.py."""
+        if self.reducer.tied_rows is not None and enable:
+            raise RuntimeError("DistributedDataParallel.join: not supported with tied_embedding_rows=True (a joined "
+                               "rank would not take part in the embedding rows' exchange)")
         return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
     @contextlib.contextmanager
@@ -238,6 +253,9 @@ class DistributedDataParallel(nn.Module):
         Exact for torch's optimizers; refuses find_unused_parameters=True."""
         if self.reducer.overlap is not None:
             raise RuntimeError("overlap_optimizer: an optimizer is already overlapped with this model's backward")
+        if self.reducer.tied_rows is not None:
+            raise RuntimeError("overlap_optimizer: not supported with tied_embedding_rows=True (the tied weight's "
+                               "bucket would be stepped before its embedding rows arrive, at the end of backward)")
         self.reducer.overlap = OptimizerOverlap(self.reducer, optimizer)
         return optimizer
 
@@ -252,6 +270,11 @@ class DistributedDataParallel(nn.Module):
         """hook(state, GradBucket) -> object whose wait() returns the reduced flat gradient;
         torch's semantics: the bucket is not divided by world size, the hook averages (torch's own
         hooks run unchanged; see hooks.py). Once, before training."""
+        if self.reducer.tied_rows is not None and (hook not in comm_hooks.BUILTIN_HOOKS or
+                                                   resolve_group(state) is not self.process_group):
+            raise ValueError("register_comm_hook: with tied_embedding_rows=True only pynccl's built-in hooks over "
+                             "the DDP group itself (state None or that group) are supported: the embedding rows "
+                             "are averaged over that group, as the built-in hooks average the buckets")
         self.reducer.register_comm_hook(state, hook)
 
 

@@ -67,6 +67,7 @@ class Reducer:
         self.requested_comm_path = comm_path              # comm_path.py: where the fused buckets' wires live
         self.comm_path = comm_paths.CommPath("default")
         self.overlap = None                               # optimizer_overlap.OptimizerOverlap, if asked for
+        self.tied_rows = None                             # embedding_rows.TiedEmbeddingRows, if asked for
         weakref.finalize(self, _deregister, self._registrations)
         self._setup_buckets()
 
@@ -326,6 +327,11 @@ class Reducer:
 
     @torch.no_grad()
     def _on_backward_end(self) -> None:
+        self._write_back_all()
+        if self.tied_rows is not None:                   # after the write-back: adds into the reduced grads
+            self.tied_rows.finish(self.scale)
+
+    def _write_back_all(self) -> None:
         if self.pack_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.pack_stream)
         pending, self.pending = self.pending, []

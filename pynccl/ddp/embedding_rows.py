@@ -1,0 +1,162 @@
+"""Opt-in (issue 26, `DistributedDataParallel(..., tied_embedding_rows=True)`): the lookup part of
+a tied embedding's gradient crosses the wire as the rows this rank's tokens touched.
+
+In GPT-2 and nanoGPT the token embedding's weight is also the LM head's. Its gradient is the sum
+of two parts: the head's, dense (every vocabulary row) and complete at the very start of
+backward, and the lookup's, non-zero only in the rows of this rank's tokens and complete at the
+very end. Autograd sums the two before the weight's gradient hook fires, so DDP (torch's and
+pynccl's default) all-reduces 147 MiB for GPT-2's 50257 × 768 fp32 weight after the last op of
+backward, with nothing left to hide it (the exposed tail of benchmarks/RESULTS.md).
+
+Here the two parts are reduced apart (a sum is linear; only the fp32 rounding order differs):
+* the lookup reads the weight detached, so the weight's hook fires once the head's part is in,
+  and its bucket is all-reduced while the rest of backward runs;
+* the lookup's backward keeps (token ids, output-gradient rows) instead of returning a gradient;
+* at the end of backward, after the buckets are written back, every rank's rows are all-gathered
+  (B·T rows instead of V: nanoGPT's 12 × 1024 against 50257, 4× fewer bytes at 2 ranks) and
+  added, times the reducer's scale (1/N), with index_put_(accumulate=True): on CUDA a sorted,
+  deterministic sum, the same on every rank, so the replicas stay equal.
+
+Ranks may feed different numbers of tokens: each lookup's count is all-gathered in forward (a
+few bytes; on CUDA copied to pinned memory behind an event, read at the end of backward, long
+after it completed, so the host does not wait for backward) and the rows are padded to the
+largest. Every rank must make the same number of lookups per step, as with any collective.
+
+Where it applies: an nn.Embedding (no max_norm, not sparse, no scale_grad_by_freq) whose weight
+is also registered by a module that is not such an embedding (the head). An untied embedding
+keeps the default path (its weight would get no gradient through autograd at all). Off under
+torch.compile (the lookup runs as torch's), in no_sync() and without grad (nothing is reduced
+there: the plain lookup accumulates as usual). Refused with a comm hook other than the built-in
+one, overlap_optimizer (it would step the weight before the rows arrive) and join().
+"""
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def tied_embeddings(module: nn.Module) -> List[nn.Embedding]:
+    """The embeddings of `module` that this path handles (see the module docstring)."""
+    candidates = [m for m in module.modules() if isinstance(m, nn.Embedding) and m.max_norm is None
+                  and not m.sparse and not m.scale_grad_by_freq and m.weight.requires_grad]
+    handled = {id(m) for m in candidates}
+    owners = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(m)
+    return [m for m in candidates if any(id(o) not in handled for o in owners[id(m.weight)])]
+
+
+class _RowsLookup(torch.autograd.Function):
+    """F.embedding on the detached weight; backward hands (ids, rows) to the exchange. `anchor` is a
+    0-d leaf that makes the output require grad (the weight, detached, does not)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, anchor, padding_idx, lookup):
+        ctx.lookup = lookup
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.lookup.rows = grad
+        return None, None, None, None, None
+
+
+class _Lookup:
+    """One call: the weight, its token ids (flat), the all-gathered counts, and after backward the
+    output-gradient rows (None if its output never reached a loss: a forward with no backward,
+    whose lookups go with the next backward's, as zeros, so every rank exchanges the same)."""
+
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, padding_idx: Optional[int], counts, ready):
+        self.weight, self.ids, self.padding_idx, self.counts, self.ready = weight, ids, padding_idx, counts, ready
+        self.rows: Optional[torch.Tensor] = None
+
+    def host_counts(self) -> List[int]:
+        if self.ready is not None:
+            self.ready.synchronize()          # recorded in forward: long done, a check, not a wait
+        return [int(c) for c in self.counts.tolist()]
+
+
+class TiedEmbeddingRows:
+    """Installs the lookup on each handled embedding, and adds the exchanged rows at the end of
+    backward (Reducer._on_backward_end calls finish())."""
+
+    def __init__(self, ddp, embeddings: List[nn.Embedding]):
+        if not embeddings:
+            raise ValueError("DistributedDataParallel: tied_embedding_rows=True but the module has no nn.Embedding "
+                             "whose weight another module (the LM head) also registers; nothing to do")
+        self._ddp = weakref.ref(ddp)
+        self.backend = ddp.process_group.backend
+        self.embeddings = embeddings
+        self.lookups: List[_Lookup] = []
+        self.anchor = torch.zeros((), device=ddp.device, requires_grad=True)
+        for emb in embeddings:
+            emb.forward = self._forward_of(emb)
+
+    def _forward_of(self, emb: nn.Embedding):
+        ref = weakref.ref(self)
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            me = ref()
+            ddp = me._ddp() if me is not None else None
+            if ddp is None or torch.compiler.is_compiling() or not torch.is_grad_enabled() or \
+                    not ddp.require_backward_grad_sync:
+                return F.embedding(ids, emb.weight, emb.padding_idx)
+            return me._lookup(emb, ids)
+        return forward
+
+    def _lookup(self, emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        counts = torch.empty(self.backend.world_size, dtype=torch.int64, device=ids.device)
+        mine = torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)
+        self.backend.all_gather_into_tensor(counts, mine, async_op=True).wait()   # a stream wait on CUDA
+        ready = None
+        if counts.is_cuda:
+            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            host.copy_(counts, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            counts = host
+        lookup = _Lookup(emb.weight, ids.reshape(-1), emb.padding_idx, counts, ready)
+        self.lookups.append(lookup)
+        return _RowsLookup.apply(ids, emb.weight.detach(), self.anchor, emb.padding_idx, lookup)
+
+    @torch.no_grad()
+    def finish(self, scale: float) -> None:
+        """Adds every rank's lookup rows, times `scale`, into the tied weights' reduced gradients.
+        NOTE: one exchange per lookup, in forward order: the same collectives on every rank."""
+        lookups, self.lookups = self.lookups, []
+        for lk in lookups:
+            ids, rows = self._exchange(lk)
+            grad = lk.weight.grad
+            if grad is None:
+                grad = lk.weight.grad = torch.zeros_like(lk.weight)
+            grad.index_put_((ids,), rows.to(grad.dtype).mul_(scale), accumulate=True)
+
+    def _exchange(self, lk: _Lookup):
+        """(every rank's ids, every rank's rows), each rank's padded to the largest count with id 0
+        and zero rows (adding 0 changes nothing)."""
+        counts = lk.host_counts()
+        width, n = max(counts), lk.ids.numel()
+        if lk.rows is None:                   # the lookup's output did not reach this loss: no gradient
+            rows = lk.weight.new_zeros(n, lk.weight.shape[1])
+        else:
+            rows = lk.rows.reshape(n, -1)
+        if lk.padding_idx is not None:        # F.embedding's backward gives the padding row nothing
+            rows = rows.masked_fill((lk.ids == lk.padding_idx).unsqueeze(-1), 0)
+        ids = lk.ids
+        if width != n:
+            ids = torch.cat([ids, ids.new_zeros(width - n)])
+            rows = torch.cat([rows, rows.new_zeros(width - n, rows.shape[1])])
+        world = self.backend.world_size
+        all_ids = ids.new_empty(world * width)
+        all_rows = rows.new_empty(world * width, rows.shape[1])
+        works = [self.backend.all_gather_into_tensor(all_ids, ids.contiguous(), async_op=True),
+                 self.backend.all_gather_into_tensor(all_rows, rows.contiguous(), async_op=True)]
+        for w in works:
+            w.wait()
+        return all_ids, all_rows

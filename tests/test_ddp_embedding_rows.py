@@ -1,0 +1,238 @@
+"""Issue 26, DistributedDataParallel(tied_embedding_rows=True): a tied embedding's lookup gradient
+exchanged as rows (pynccl/ddp/embedding_rows.py), against torch DDP on gloo in the same process.
+
+Tolerances (tests/numerics.py): both sides compute the same per-rank head and lookup gradients;
+only the order of the final sums differs. torch sums each rank's head part and lookup rows
+(embedding backward), then the ranks (all-reduce), then scales by 1/N; here the ranks' head parts
+are summed and scaled, then every rank's rows are added one by one. Each element is a sum of at
+most 1 + (ranks · tokens) terms in either order: chain_rtol(ranks · tokens + ranks + 1) of the
+tensor's largest gradient. A lost rank's rows, a missed 1/N, or rows added twice move an element
+by a whole row's worth, ~1/(tokens) of the gradient's scale at least: far above that.
+"""
+import pytest
+
+from pynccl.testing import run_multiprocess
+
+VOCAB, DIM, BATCH, SEQ, STEPS = 24, 16, 3, 8, 4
+
+
+def _model(padding_idx=None):
+    import torch
+    from torch import nn
+
+    class TiedLM(nn.Module):
+        """nanoGPT's shape in miniature: token + position embeddings, one block, the head tied to
+        the token embedding (wte.weight is lm_head.weight, registered by both modules)."""
+
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(VOCAB, DIM, padding_idx=padding_idx)
+            self.wpe = nn.Embedding(SEQ, DIM)
+            self.block = nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+            self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, idx, targets):
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            h = self.wte(idx) + self.wpe(pos)
+            h = h + self.block(h)
+            logits = self.lm_head(h)
+            return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    torch.manual_seed(0)
+    return TiedLM()
+
+
+def _hf_gpt2():
+    """transformers' GPT2LMHeadModel, random init (lm_head.weight is transformer.wte.weight)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=DIM, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    return GPT2LMHeadModel(cfg)
+
+
+def _loss(model, idx, tgt, hf):
+    return model(input_ids=idx, labels=tgt).loss if hf else model(idx, tgt)
+
+
+def _batches(rank, seq=SEQ, padding_idx=None, n=STEPS):
+    import torch
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for _ in range(n):
+        idx = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
+        if padding_idx is not None:
+            idx[:, -2:] = padding_idx                    # padded tails, as a packed batch has
+        out.append((idx, torch.randint(0, VOCAB, (BATCH, seq), generator=g)))
+    return out
+
+
+def _grad_rtol(ws, tokens):
+    from numerics import chain_rtol
+    return chain_rtol(ws * tokens + ws + 1)
+
+
+def _both(rank, ws, *, opt="plain-sgd", accumulate=1, seq_of=None, padding_idx=None, grad_as_view=False,
+          check_grads=True, hf=False):
+    """Trains pynccl DDP(tied_embedding_rows=True) and torch DDP side by side on the same batches;
+    asserts the gradients after every backward and the parameters after every step."""
+    import contextlib
+    import torch
+    import torch.distributed as tdist
+    import pynccl
+    from numerics import assert_within, record_grad_scale, trained_atol
+
+    seq = seq_of(rank) if seq_of else SEQ
+    build = _hf_gpt2 if hf else (lambda: _model(padding_idx))
+    ours = pynccl.DistributedDataParallel(build(), tied_embedding_rows=True,
+                                          gradient_as_bucket_view=grad_as_view, bucket_cap_mb=0.001)
+    ref = torch.nn.parallel.DistributedDataParallel(build(), process_group=tdist.group.WORLD, bucket_cap_mb=0.001)
+    tied = ours.module.transformer.wte.weight if hf else ours.module.wte.weight
+    assert ours.reducer.tied_rows is not None and ours.reducer.tied_rows.embeddings[0].weight is tied
+    make = {"plain-sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)}[opt]
+    o_ours, o_ref = make(ours.parameters()), make(ref.parameters())
+    grad_scale = {}
+    tokens = max((seq_of(r) if seq_of else SEQ) for r in range(ws)) * BATCH
+    rtol = _grad_rtol(ws, tokens)
+    for step, (idx, tgt) in enumerate(_batches(rank, seq, padding_idx)):
+        for model, o in ((ours, o_ours), (ref, o_ref)):
+            o.zero_grad(set_to_none=not grad_as_view)
+            for i, (mi, mt) in enumerate(zip(idx.chunk(accumulate), tgt.chunk(accumulate))):
+                last = i == accumulate - 1
+                with contextlib.nullcontext() if last else model.no_sync():
+                    (_loss(model, mi, mt, hf) / accumulate).backward()
+        if check_grads:
+            for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+                assert_within(p.grad, q.grad, rtol * q.grad.abs().max().item(), f"step {step} grad of {name}")
+        record_grad_scale(ref.module.parameters(), grad_scale)
+        o_ours.step()
+        o_ref.step()
+    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+        assert_within(p, q, trained_atol(o_ref, q, rtol, grad_scale.get(q), STEPS), f"trained {name}")
+    # the replicas stay equal: every rank added the same rows in the same order
+    w = tied.detach().clone()
+    everyone = [torch.empty_like(w) for _ in range(ws)]
+    tdist.all_gather(everyone, w)
+    assert all(torch.equal(everyone[0], x) for x in everyone), "the tied weight differs across ranks"
+
+
+def _run(fn, ws=2, **kw):
+    run_multiprocess(fn, ws, backend="gloo", timeout=300, kwargs=kw)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("opt", ["plain-sgd", "adamw"])
+def test_equals_torch_ddp(opt):
+    _run(_both, opt=opt)
+
+
+@pytest.mark.numerics
+def test_hugging_face_gpt2_equals_torch_ddp():
+    _run(_both, opt="adamw", hf=True)
+
+
+def _from_environment(rank, ws):
+    """PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns the path on where the constructor leaves it None, only
+    for models that have a tied embedding (an untied one keeps the default, without an error)."""
+    from torch import nn
+    import pynccl
+    assert pynccl.DistributedDataParallel(_hf_gpt2()).reducer.tied_rows is not None
+    untied = nn.Sequential(nn.Embedding(4, 4), nn.Linear(4, 4))
+    assert pynccl.DistributedDataParallel(untied).reducer.tied_rows is None
+    assert pynccl.DistributedDataParallel(_hf_gpt2(), tied_embedding_rows=False).reducer.tied_rows is None
+
+
+def test_environment_variable_turns_it_on_for_tied_models():
+    run_multiprocess(_from_environment, 2, backend="gloo", timeout=300, env={"PYNCCL_DDP_TIED_EMBEDDING_ROWS": "1"})
+
+
+@pytest.mark.numerics
+def test_three_ranks_uneven_token_counts():
+    """Rank r feeds SEQ - r tokens per sequence: every rank's rows are padded to the largest count."""
+    _run(_both, ws=3, seq_of=lambda r: SEQ - r)
+
+
+@pytest.mark.numerics
+def test_no_sync_accumulation_padding_idx_and_bucket_views():
+    """Micro-batches accumulated in no_sync() (plain lookups there: dense, local), the padding row
+    (no lookup gradient, the head's part only) and gradient_as_bucket_view=True."""
+    _run(_both, accumulate=2, padding_idx=0, grad_as_view=True)
+
+
+def _order_of_events(rank, ws, rows):
+    """When the tied weight's bucket is handed to the all-reduce, relative to the point where
+    backward reaches the token embedding (its output's gradient is complete)."""
+    import pynccl
+    events = []
+    model = pynccl.DistributedDataParallel(_model(), tied_embedding_rows=rows, bucket_cap_mb=0.001)
+    tied = model.module.wte.weight
+    bucketer = model.reducer.bucketer
+    real_ready = bucketer.on_bucket_ready
+
+    def on_ready(b):
+        if any(p is tied for p in b.params):
+            events.append("tied bucket")
+        return real_ready(b)
+    bucketer.on_bucket_ready = on_ready
+
+    def on_lookup(module, inputs, out):
+        out.register_hook(lambda g: events.append("lookup backward"))
+    model.module.wte.register_forward_hook(on_lookup)
+    idx, tgt = _batches(rank)[0]
+    for _ in range(2):                                  # the second after the bucket rebuild
+        events.clear()
+        model(idx, tgt).backward()
+    expected = ["tied bucket", "lookup backward"] if rows else ["lookup backward", "tied bucket"]
+    assert events == expected, events
+
+
+@pytest.mark.parametrize("rows", [True, False])
+def test_tied_bucket_reduces_before_backward_reaches_the_embedding(rows):
+    """The point of the path: the tied weight's bucket goes out once the head's part is in, before
+    backward reaches the embedding; by default it waits for the lookup (the last op of backward)."""
+    _run(_order_of_events, rows=rows)
+
+
+def _refusals(rank, ws):
+    import torch
+    from torch import nn
+    import pynccl
+    from pynccl import comm_hooks
+
+    with pytest.raises(ValueError, match="no nn.Embedding whose weight another module"):
+        pynccl.DistributedDataParallel(nn.Sequential(nn.Embedding(4, 4), nn.Linear(4, 4)), tied_embedding_rows=True)
+    model = pynccl.DistributedDataParallel(_model(), tied_embedding_rows=True)
+    with pytest.raises(RuntimeError, match="overlap_optimizer: not supported with tied_embedding_rows"):
+        model.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="join: not supported with tied_embedding_rows"):
+        model.join()
+    with pytest.raises(ValueError, match="only pynccl's built-in hooks"):
+        model.register_comm_hook(None, lambda state, bucket: None)
+    model.register_comm_hook(None, comm_hooks.bf16_compress_hook)      # a built-in hook over the DDP group
+
+
+def test_refusals_name_what_is_supported():
+    _run(_refusals)
+
+
+def _forward_without_backward(rank, ws):
+    """A synced forward whose output never reaches a loss (an evaluation with grad on) before the
+    training step: its lookup goes with the next backward's exchange as zeros, on every rank."""
+    import torch
+    import torch.distributed as tdist
+    import pynccl
+    ours = pynccl.DistributedDataParallel(_model(), tied_embedding_rows=True)
+    ref = torch.nn.parallel.DistributedDataParallel(_model(), process_group=tdist.group.WORLD)
+    (idx, tgt), (idx2, tgt2) = _batches(rank, n=2)
+    for m in (ours, ref):
+        m(idx2, tgt2)                                   # discarded
+        m(idx, tgt).backward()
+    from numerics import assert_within
+    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+        assert_within(p.grad, q.grad, _grad_rtol(ws, BATCH * SEQ) * q.grad.abs().max().item(), name)
+
+
+def test_forward_without_backward_first():
+    _run(_forward_without_backward)

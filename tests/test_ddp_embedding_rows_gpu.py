@@ -1,0 +1,59 @@
+"""DistributedDataParallel(tied_embedding_rows=True) on NCCL (issue 26): the tied LM of
+test_ddp_embedding_rows.py on CUDA, against torch DDP on torch's own NCCL group, with every
+comm_path and with gradient bucket views, each with SGD (linear in the gradient: a lost rank's
+rows or a missed 1/N moves parameters by a step's worth) and AdamW. The count exchange in forward
+goes through pinned memory and an event, the rows' all-gathers through pynccl's stream: a stream
+ordering bug would read counts or rows before they are written and fail these comparisons.
+Tolerance: test_ddp_embedding_rows._grad_rtol (the order of the final sums), through
+numerics.trained_atol for the optimizer."""
+import pytest
+import torch
+
+from pynccl.testing import run_multiprocess
+from test_ddp_embedding_rows import BATCH, SEQ, _batches, _grad_rtol, _model
+
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def _against_torch(rank, ws):
+    import torch.distributed as tdist
+    import pynccl
+    from numerics import assert_within, record_grad_scale, trained_atol
+
+    device = pynccl.get_device()
+    torch_pg = tdist.new_group(backend="nccl")
+    data = [(i.to(device), t.to(device)) for i, t in _batches(rank, seq=SEQ - rank)]   # uneven token counts
+    rtol = _grad_rtol(ws, BATCH * SEQ)
+    failures = []
+    for kw in (dict(comm_path="default"), dict(comm_path="symmetric"), dict(comm_path="copy_engine"),
+               dict(gradient_as_bucket_view=True)):
+        for opt in ("plain-sgd", "adamw"):
+            ours = pynccl.DistributedDataParallel(_model().to(device), tied_embedding_rows=True, bucket_cap_mb=0.001,
+                                                  **kw)
+            ref = torch.nn.parallel.DistributedDataParallel(_model().to(device), process_group=torch_pg,
+                                                            bucket_cap_mb=0.001)
+            make = (lambda ps: torch.optim.SGD(ps, lr=0.1)) if opt == "plain-sgd" else \
+                (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01))
+            o_ours, o_ref = make(ours.parameters()), make(ref.parameters())
+            scale = {}
+            for idx, tgt in data:
+                for m, o in ((ours, o_ours), (ref, o_ref)):
+                    o.zero_grad(set_to_none=not kw.get("gradient_as_bucket_view"))
+                    m(idx, tgt).backward()
+                record_grad_scale(ref.module.parameters(), scale)
+                o_ours.step()
+                o_ref.step()
+            torch.cuda.synchronize()
+            try:
+                for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+                    assert_within(p, q, trained_atol(o_ref, q, rtol, scale.get(q), len(data)), f"{kw} {opt} {name}")
+            except AssertionError as e:
+                failures.append(str(e))
+    assert not failures, "\n".join(failures)
+    return True
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_tied_embedding_rows_equal_torch_ddp_on_nccl():
+    assert run_multiprocess(_against_torch, 2, backend="nccl", start_method="spawn", timeout=300) == [True, True]
