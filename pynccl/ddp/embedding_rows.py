@@ -102,10 +102,12 @@ class TiedEmbeddingRows:
         ref = weakref.ref(self)
 
         def forward(ids: torch.Tensor) -> torch.Tensor:
+            # NOTE: is_compiling first: dynamo then traces torch's lookup and nothing else here.
+            if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+                return F.embedding(ids, emb.weight, emb.padding_idx)
             me = ref()
             ddp = me._ddp() if me is not None else None
-            if ddp is None or torch.compiler.is_compiling() or not torch.is_grad_enabled() or \
-                    not ddp.require_backward_grad_sync:
+            if ddp is None or not ddp.require_backward_grad_sync:
                 return F.embedding(ids, emb.weight, emb.padding_idx)
             return me._lookup(emb, ids)
         return forward
