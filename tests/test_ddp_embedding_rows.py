@@ -32,11 +32,13 @@ def _model(padding_idx=None):
             self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
             self.lm_head.weight = self.wte.weight
 
-        def forward(self, idx, targets):
+        def forward(self, idx, targets=None):
             pos = torch.arange(idx.shape[1], device=idx.device)
             h = self.wte(idx) + self.wpe(pos)
             h = h + self.block(h)
             logits = self.lm_head(h)
+            if targets is None:
+                return logits
             return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
     torch.manual_seed(0)
     return TiedLM()
@@ -236,3 +238,96 @@ def _forward_without_backward(rank, ws):
 
 def test_forward_without_backward_first():
     _run(_forward_without_backward)
+
+
+def _zero_tokens_on_one_rank(rank, ws):
+    """Rank 1 feeds an empty batch (a data loader's last, uneven step): it exchanges no rows of its
+    own, receives rank 0's, and both equal torch DDP (loss: the sum of squared logits, defined
+    for an empty batch)."""
+    import torch
+    import torch.distributed as tdist
+    import pynccl
+    from numerics import assert_within
+    ours = pynccl.DistributedDataParallel(_model(), tied_embedding_rows=True)
+    ref = torch.nn.parallel.DistributedDataParallel(_model(), process_group=tdist.group.WORLD)
+    idx, _ = _batches(0)[0]
+    idx = idx if rank == 0 else idx[:0]
+    for m in (ours, ref):
+        m(idx).square().sum().backward()
+    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+        assert_within(p.grad, q.grad, _grad_rtol(ws, BATCH * SEQ) * q.grad.abs().max().item(), name)
+
+
+def test_a_rank_with_no_tokens():
+    _run(_zero_tokens_on_one_rank)
+
+
+def _uses_outside_ddp_backward(rank, ws):
+    """Where the rows path would give wrong gradients, it steps aside or raises, naming the cause."""
+    import copy
+    import torch
+    import torch.distributed as tdist
+    from torch import nn
+    import pynccl
+    from numerics import assert_within
+    idx, tgt = _batches(rank)[0]
+    ours = pynccl.DistributedDataParallel(_model(), tied_embedding_rows=True)
+    ref = torch.nn.parallel.DistributedDataParallel(_model(), process_group=tdist.group.WORLD)
+    tol = _grad_rtol(ws, BATCH * SEQ)
+
+    # A deep copy (an EMA model) looks up its own weight, as torch does, and records nothing.
+    ema = copy.deepcopy(ours.module)
+    with torch.no_grad():
+        ema.wte.weight.zero_()
+    assert ema.wte(idx).abs().max().item() == 0.0
+    assert ours.reducer.tied_rows.lookups == []
+
+    # A direct call of the wrapped module (not through DDP) looks up as torch does: nothing recorded,
+    # and the next DDP step still equals torch DDP's.
+    ours.module(idx, tgt).backward()
+    ref.module(idx, tgt).backward()
+    assert ours.reducer.tied_rows.lookups == []
+    for m in (ours, ref):
+        m.zero_grad(set_to_none=True)
+        m(idx, tgt).backward()
+    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+        assert_within(p.grad, q.grad, tol * q.grad.abs().max().item(), name)
+
+    # torch.autograd.grad of the tied weight gets the head's part only (documented); the lookup it
+    # never ran goes with the next backward's exchange as zeros, and that step equals torch DDP's.
+    torch.autograd.grad(ours(idx, tgt), [ours.module.wte.weight])
+    torch.autograd.grad(ref(idx, tgt), [ref.module.wte.weight])
+    for m in (ours, ref):
+        m.zero_grad(set_to_none=True)
+        m(idx, tgt).backward()
+    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+        assert_within(p.grad, q.grad, tol * q.grad.abs().max().item(), f"after autograd.grad: {name}")
+
+    # A second backward through the same lookup (retain_graph) would lose its rows.
+    loss = ours(idx, tgt)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same embedding lookup"):
+        loss.backward()
+
+    # Token ids refilled in place before the end of backward.
+    ids = idx.clone()
+    loss = ours(ids, tgt)
+    ids.fill_(1)
+    with pytest.raises(RuntimeError, match="modified in place before the end of backward"):
+        loss.backward()
+
+    # A hook on the tied weight would see the head's part only.
+    handle = ours.module.wte.weight.register_hook(lambda g: g)
+    with pytest.raises(RuntimeError, match="the tied weight has a gradient hook"):
+        ours(idx, tgt)
+    handle.remove()
+
+    # A parametrized embedding (its weight computed) is left alone, also when the variable asks.
+    untied = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 4))
+    nn.utils.parametrizations.weight_norm(untied[0])
+    from pynccl.ddp.embedding_rows import tied_embeddings
+    assert tied_embeddings(untied) == []
+
+
+def test_uses_outside_ddp_backward_step_aside_or_raise():
+    _run(_uses_outside_ddp_backward)

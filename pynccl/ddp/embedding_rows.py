@@ -18,19 +18,25 @@ Here the two parts are reduced apart (a sum is linear; only the fp32 rounding or
   deterministic sum, the same on every rank, so the replicas stay equal.
 
 Ranks may feed different numbers of tokens: each lookup's count is all-gathered in forward (a
-few bytes; on CUDA copied to pinned memory behind an event, read at the end of backward, long
-after it completed, so the host does not wait for backward) and the rows are padded to the
-largest. Every rank must make the same number of lookups per step, as with any collective.
+few bytes; on CUDA copied to pinned memory behind an event, read at the end of backward: the host
+waits there only if it ran a whole step ahead of the GPU) and the rows are padded to the largest.
+Every rank must make the same number of lookups per step, as with any collective. Each rank
+receives (N - 1) x tokens x width values against the all-reduce's 2(N - 1)/N x vocabulary x width.
 
-Where it applies: an nn.Embedding (no max_norm, not sparse, no scale_grad_by_freq) whose weight
-is also registered by a module that is not such an embedding (the head). An untied embedding
-keeps the default path (its weight would get no gradient through autograd at all). Off under
-torch.compile (the lookup runs as torch's), in no_sync() and without grad (nothing is reduced
-there: the plain lookup accumulates as usual). Refused with a comm hook other than the built-in
-one, overlap_optimizer (it would step the weight before the rows arrive) and join().
+Where it applies: an nn.Embedding (no max_norm, not sparse, no scale_grad_by_freq, its weight a
+registered parameter) whose weight is also registered by a module that is not such an embedding
+(the head). An untied embedding keeps the default path (its weight would get no gradient through
+autograd at all). Torch's lookup runs under torch.compile, in no_sync(), without grad, outside
+DDP's own forward (a direct call of ddp.module) and in deep copies of the module. Refused: a comm
+hook other than the built-in ones, overlap_optimizer (it would step the weight before the rows
+arrive), join(), a gradient hook on the tied weight, a second backward through a lookup, ids
+modified in place before the end of backward. Not covered (documented in docs/training.md):
+torch.autograd.grad of the tied weight gets the head's part only.
 """
 from __future__ import annotations
 
+import contextlib
+import types
 import weakref
 from typing import List, Optional
 
@@ -41,15 +47,17 @@ import torch.nn.functional as F
 
 def tied_embeddings(module: nn.Module) -> List[nn.Embedding]:
     """The embeddings of `module` that this path handles (see the module docstring)."""
+    # NOTE: a parametrized weight (weight_norm, LoRA) is computed, not a registered parameter: left alone.
     candidates = [m for m in module.modules() if isinstance(m, nn.Embedding) and m.max_norm is None
-                  and not m.sparse and not m.scale_grad_by_freq and m.weight.requires_grad]
+                  and not m.sparse and not m.scale_grad_by_freq and m._parameters.get("weight") is not None
+                  and m._parameters["weight"].requires_grad]
     handled = {id(m) for m in candidates}
     owners = {}
     for m in module.modules():
         for p in m._parameters.values():
             if p is not None:
                 owners.setdefault(id(p), []).append(m)
-    return [m for m in candidates if any(id(o) not in handled for o in owners[id(m.weight)])]
+    return [m for m in candidates if any(id(o) not in handled for o in owners.get(id(m._parameters["weight"]), []))]
 
 
 class _RowsLookup(torch.autograd.Function):
@@ -63,8 +71,22 @@ class _RowsLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.lookup.rows is not None or ctx.lookup.exchanged:
+            raise RuntimeError("DistributedDataParallel(tied_embedding_rows=True): a second backward through the same "
+                               "embedding lookup (retain_graph=True) is not supported: its rows would be lost")
         ctx.lookup.rows = grad
         return None, None, None, None, None
+
+
+def _forward(emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """nn.Embedding.forward while tied_embedding_rows is on (bound to the module)."""
+    # NOTE: is_compiling first: dynamo then traces torch's lookup and nothing else here.
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return F.embedding(ids, emb.weight, emb.padding_idx)
+    rows = emb._pynccl_tied_rows()
+    if rows is None or not rows.in_forward or not any(e is emb for e in rows.embeddings):
+        return F.embedding(ids, emb.weight, emb.padding_idx)
+    return rows._lookup(emb, ids)
 
 
 class _Lookup:
@@ -74,11 +96,14 @@ class _Lookup:
 
     def __init__(self, weight: torch.Tensor, ids: torch.Tensor, padding_idx: Optional[int], counts, ready):
         self.weight, self.ids, self.padding_idx, self.counts, self.ready = weight, ids, padding_idx, counts, ready
+        self.ids_version = ids._version      # the ids are read at the end of backward: refilled in place is an error
         self.rows: Optional[torch.Tensor] = None
+        self.exchanged = False
 
     def host_counts(self) -> List[int]:
         if self.ready is not None:
-            self.ready.synchronize()          # recorded in forward: long done, a check, not a wait
+            # NOTE: recorded in forward; the host waits here only if it ran a whole step ahead of the GPU.
+            self.ready.synchronize()
         return [int(c) for c in self.counts.tolist()]
 
 
@@ -95,24 +120,27 @@ class TiedEmbeddingRows:
         self.embeddings = embeddings
         self.lookups: List[_Lookup] = []
         self.anchor = torch.zeros((), device=ddp.device, requires_grad=True)
+        self.in_forward = False               # DDP's own synced forward is running (forward_window)
         for emb in embeddings:
-            emb.forward = self._forward_of(emb)
+            # NOTE: a bound method: a deep copy of the module (an EMA model) gets its own, bound to the copy,
+            # which is not one of `embeddings` and so looks up as torch does.
+            emb.forward = types.MethodType(_forward, emb)
+            emb._pynccl_tied_rows = weakref.ref(self)
 
-    def _forward_of(self, emb: nn.Embedding):
-        ref = weakref.ref(self)
-
-        def forward(ids: torch.Tensor) -> torch.Tensor:
-            # NOTE: is_compiling first: dynamo then traces torch's lookup and nothing else here.
-            if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-                return F.embedding(ids, emb.weight, emb.padding_idx)
-            me = ref()
-            ddp = me._ddp() if me is not None else None
-            if ddp is None or not ddp.require_backward_grad_sync:
-                return F.embedding(ids, emb.weight, emb.padding_idx)
-            return me._lookup(emb, ids)
-        return forward
+    @contextlib.contextmanager
+    def forward_window(self, sync: bool):
+        """Around DDP's call of its module: lookups take the rows path only inside a synced one
+        (a direct call of ddp.module reduces nothing and looks up as torch does)."""
+        self.in_forward = sync
+        try:
+            yield
+        finally:
+            self.in_forward = False
 
     def _lookup(self, emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        if emb.weight._backward_hooks:
+            raise RuntimeError("DistributedDataParallel(tied_embedding_rows=True): the tied weight has a gradient hook "
+                               "(register_hook); it would see the head's part only. Remove the hook or the option")
         counts = torch.empty(self.backend.world_size, dtype=torch.int64, device=ids.device)
         mine = torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)
         self.backend.all_gather_into_tensor(counts, mine, async_op=True).wait()   # a stream wait on CUDA
@@ -133,6 +161,11 @@ class TiedEmbeddingRows:
         NOTE: one exchange per lookup, in forward order: the same collectives on every rank."""
         lookups, self.lookups = self.lookups, []
         for lk in lookups:
+            if lk.ids._version != lk.ids_version:
+                raise RuntimeError("DistributedDataParallel(tied_embedding_rows=True): the token ids given to the "
+                                   "embedding were modified in place before the end of backward")
+        for lk in lookups:
+            lk.exchanged = True
             ids, rows = self._exchange(lk)
             grad = lk.weight.grad
             if grad is None:
@@ -147,7 +180,7 @@ class TiedEmbeddingRows:
         if lk.rows is None:                   # the lookup's output did not reach this loss: no gradient
             rows = lk.weight.new_zeros(n, lk.weight.shape[1])
         else:
-            rows = lk.rows.reshape(n, -1)
+            rows = lk.rows.reshape(n, lk.weight.shape[1])
         if lk.padding_idx is not None:        # F.embedding's backward gives the padding row nothing
             rows = rows.masked_fill((lk.ids == lk.padding_idx).unsqueeze(-1), 0)
         ids = lk.ids

@@ -191,7 +191,9 @@ class DistributedDataParallel(nn.Module):
         # before the module and one after. Eager callers skip the ~10 us that costs.
         run = _UNTRACED if torch.compiler.is_compiling() else _PLAIN
         inputs, kwargs, sync = run.pre_forward(self, inputs, kwargs)
-        with run.active_ddp_module(self):
+        # tied_embedding_rows: its lookups take the rows path only here (and never traced: off under compile)
+        tied = self.reducer.tied_rows if run is _PLAIN else None
+        with run.active_ddp_module(self), (tied.forward_window(sync) if tied is not None else contextlib.nullcontext()):
             output = self.module(*inputs, **kwargs)
         return run.post_forward(self, output, sync)
 
