@@ -17,6 +17,9 @@ a git-ignored folder first, e.g. from a bare clone or mirror:
 What is swapped, in a copy of train.py (each edit must match exactly once, or the run stops):
   pynccl-ddp  `from torch.nn.parallel import DistributedDataParallel as DDP`
               -> `from pynccl import DistributedDataParallel as DDP`
+  pynccl-ddp-tied-rows  the same import -> pynccl's DDP with tied_embedding_rows=True (the tied
+              embedding's gradient tail as rows, pynccl/ddp/embedding_rows.py; it raises if it
+              finds no tied embedding, so a run shows it was on)
   zeroK       the same import -> a DDP(model, device_ids) that returns
               pynccl.FullyShardedDataParallel(model, stage=K) (nanogpt_swap.zero_wrapper), and the
               clipping line -> pynccl.clip_grad_norm_ (torch's would clip each rank's shards by their
@@ -43,7 +46,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-VARIANTS = ["torch-ddp", "pynccl-ddp", "zero1", "zero2", "zero3"]
+VARIANTS = ["torch-ddp", "pynccl-ddp", "pynccl-ddp-tied-rows", "zero1", "zero2", "zero3"]
 FILES = ("train.py", "model.py", "configurator.py")
 IMPORT = "from torch.nn.parallel import DistributedDataParallel as DDP\n"
 CLIP = "        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n"
@@ -83,6 +86,12 @@ def zero_wrapper(stage: int):
     return wrap
 
 
+def tied_rows_ddp(module, device_ids=None):
+    """What train.py's `DDP` becomes for pynccl-ddp-tied-rows."""
+    import pynccl
+    return pynccl.DistributedDataParallel(module, device_ids=device_ids, tied_embedding_rows=True)
+
+
 def patched_train_py(source: str, variant: str, device: str) -> str:
     """train.py's text with the variant's swap (see the module docstring)."""
     if variant not in VARIANTS:
@@ -94,6 +103,8 @@ def patched_train_py(source: str, variant: str, device: str) -> str:
         return text.replace(old, new)
     if variant == "pynccl-ddp":
         source = swap(source, IMPORT, "from pynccl import DistributedDataParallel as DDP\n")
+    elif variant == "pynccl-ddp-tied-rows":
+        source = swap(source, IMPORT, "from nanogpt_swap import tied_rows_ddp as DDP\n")
     elif variant.startswith("zero"):
         stage = int(variant[-1])
         source = swap(source, IMPORT, f"from nanogpt_swap import zero_wrapper\nDDP = zero_wrapper({stage})\n")

@@ -239,6 +239,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def_property_readonly("device", &Communicator::device)
+      .def_property_readonly("stream_handle", &Communicator::stream_handle,
+                             "The cudaStream_t its ops run on (an int, as torch.cuda.Stream.cuda_stream); no two "
+                             "live communicators of a device share one.")
       .def_property_readonly("name", &Communicator::name)
       .def_property_readonly("blocking", &Communicator::blocking)
       .def_property_readonly("cta_policy", &Communicator::cta_policy,

@@ -139,6 +139,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   int device() const { return device_; }
+  // The cudaStream_t its ops run on (0 before start): no two live communicators share one.
+  uintptr_t stream_handle() const { return comm_stream_ ? reinterpret_cast<uintptr_t>(comm_stream_->stream()) : 0; }
   const std::string& name() const { return options_.name; }
   uint64_t seq() const { return seq_.load(std::memory_order_relaxed); }
   double timeout_s() const { return timeout_s_.load(std::memory_order_relaxed); }

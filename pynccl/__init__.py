@@ -8,7 +8,7 @@ from ._ext import nccl_version
 from .comm import distributed as _distributed
 from .comm.backends.base import Work
 from .comm.distributed import *  # noqa: F401,F403 - the torch.distributed-like API (comm/distributed.py)
-from .errors import CollectiveMismatchError, CommTimeoutError, PyncclError
+from .errors import CollectiveMismatchError, CommTimeoutError, PacingTimeoutError, PyncclError
 from .comm.reduce_op import ReduceOp
 from torch.distributed import GroupMember  # new_group / split_group return its NON_GROUP_MEMBER, as torch's
 
@@ -32,7 +32,7 @@ _SUBMODULES["comm_hooks"] = "pynccl.ddp.hooks"
 # NOTE: `from pynccl import *` imports every name here, the lazy ones included (that loads them:
 # it is what the star asks for); `import pynccl` alone loads none of them.
 __all__ = sorted(set(_distributed.__all__) | {
-    "nccl_version", "Work", "CollectiveMismatchError", "CommTimeoutError", "PyncclError", "ReduceOp", "GroupMember",
+    "nccl_version", "Work", "CollectiveMismatchError", "CommTimeoutError", "PacingTimeoutError", "PyncclError", "ReduceOp", "GroupMember",
 } | set(_LAZY) | set(_SUBMODULES))
 
 

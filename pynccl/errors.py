@@ -22,5 +22,10 @@ class CommTimeoutError(PyncclError):
     and one message to stderr, so that no output of an unfinished op is ever used as a result."""
 
 
+class PacingTimeoutError(PyncclError, TimeoutError):
+    """ZeRO-3's backward waited on the host for its own GPU to reach an earlier block's backward
+    past twice its group's timeout (zero/backward_pacing.py); nothing was aborted."""
+
+
 class CollectiveMismatchError(PyncclError):
     """Ranks of one group called different collectives (op, dtype, count, root or sequence number)."""

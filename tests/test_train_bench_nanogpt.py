@@ -29,6 +29,8 @@ def test_swaps_edit_exactly_the_lines():
     assert nanogpt_swap.patched_train_py(TRAIN_PY, "torch-ddp", "cuda") == TRAIN_PY
     ddp = nanogpt_swap.patched_train_py(TRAIN_PY, "pynccl-ddp", "cuda")
     assert ddp == TRAIN_PY.replace(nanogpt_swap.IMPORT, "from pynccl import DistributedDataParallel as DDP\n")
+    tied = nanogpt_swap.patched_train_py(TRAIN_PY, "pynccl-ddp-tied-rows", "cuda")
+    assert tied == TRAIN_PY.replace(nanogpt_swap.IMPORT, "from nanogpt_swap import tied_rows_ddp as DDP\n")
     zero = nanogpt_swap.patched_train_py(TRAIN_PY, "zero2", "cpu")
     assert "DDP = zero_wrapper(2)\n" in zero and nanogpt_swap.IMPORT not in zero
     assert "__import__('pynccl').clip_grad_norm_(model.parameters(), grad_clip)" in zero

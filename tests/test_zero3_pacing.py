@@ -1,8 +1,11 @@
 """ZeRO-3's backward pacing settings (pynccl/zero/backward_pacing.py); the pacing itself needs a GPU
 that runs behind the host: tests/test_zero3_pacing_gpu.py."""
+import os
+
 import pytest
 import torch
 
+from pynccl.errors import PacingTimeoutError
 from pynccl.zero.backward_pacing import DEFAULT_LEAD, ENV, BackwardPacer, lead_from_env
 
 
@@ -56,8 +59,8 @@ def test_a_gpu_that_never_gets_there_raises_instead_of_hanging(monkeypatch):
     pacer = BackwardPacer(torch.device("cuda"), 2, timeout_s=0.05)
     assert not pacer.block(11) and not pacer.block(10)          # the first `lead` blocks never wait
     assert not pacer.block(10)                                  # announced again: counted once
-    with pytest.raises(TimeoutError, match=r"before unit 9.s backward, the GPU did not reach the unit 2 back "
-                                          r"within 0\.1 s"):
+    with pytest.raises(PacingTimeoutError, match=r"before unit 9.s backward, the GPU did not reach unit 11.s "
+                                                r"backward \(2 back\) within 0\.1 s"):
         pacer.block(9)
 
 
@@ -87,3 +90,23 @@ def _connect_case(rank, ws):
 def test_connect_reduce_paths_runs_one_reduce_per_size():
     from pynccl.testing import run_multiprocess
     assert run_multiprocess(_connect_case, 2, backend="gloo") == [True, True]
+
+
+def _connect_whatever_the_lead(rank, ws):
+    """Whether a rank makes the wrap-time reduces must not depend on its own environment: with the
+    pacing off (lead 0) the runtime still calls connect_reduce_paths on its units."""
+    import pynccl
+    import pynccl.zero.stage3 as stage3
+    calls = []
+    real = stage3.connect_reduce_paths
+    stage3.connect_reduce_paths = lambda units: calls.append(len(units)) or real(units)
+    os.environ[ENV] = "0"
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    model = pynccl.FullyShardedDataParallel(net, stage=3, wrap_modules=[torch.nn.Linear])
+    assert model._runtime._pacer.lead == 0 and calls == [len(model._runtime.units)], calls
+    return True
+
+
+def test_wrap_time_reduces_run_whatever_the_lead():
+    from pynccl.testing import run_multiprocess
+    assert run_multiprocess(_connect_whatever_the_lead, 2, backend="gloo") == [True, True]

@@ -23,24 +23,31 @@ SKIP_STEP, SKIPPED = 1, (3, 4, 5)      # rank 1 skips these blocks in step SKIP_
 
 
 class SlowBlocks(nn.Module):
-    def __init__(self, ckpt: bool):
+    """`head`: an input and an output layer of other sizes, outside the blocks (the root unit: a
+    reduce of a size no block has, the first of its size only at the end of backward)."""
+
+    def __init__(self, ckpt: bool, head: bool = False):
         super().__init__()
         self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(BLOCKS)])
         self.ckpt = ckpt
+        self.inp, self.out = (nn.Linear(D, D), nn.Linear(D, 3 * D)) if head else (None, None)
 
     def forward(self, x, skip=()):
+        if self.inp is not None:
+            x = self.inp(x)
         for i, b in enumerate(self.blocks):
             if i in skip:
                 continue
             h = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
             x = _SlowBackward.apply(h)
-        return x.square().mean()
+        return (self.out(x) if self.out is not None else x).square().mean()
 
 
-def _run(device, rank, ws, lead: int, ckpt: bool):
+def _run(device, rank, ws, lead: int, ckpt: bool, head: bool = False, skip_step: int = SKIP_STEP):
     os.environ[ENV] = str(lead)
     torch.manual_seed(0)
-    model = pynccl.FullyShardedDataParallel(SlowBlocks(ckpt).to(device), stage=3)
+    model = pynccl.FullyShardedDataParallel(SlowBlocks(ckpt, head).to(device), stage=3,
+                                            wrap_modules=[nn.Sequential] if head else None)
     rt = model._runtime
     assert rt._pacer.lead == lead
     pending_per_step = []
@@ -55,7 +62,7 @@ def _run(device, rank, ws, lead: int, ckpt: bool):
     g = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         x = torch.randn(ws * ROWS, D, generator=g)[rank * ROWS:(rank + 1) * ROWS].to(device)
-        skip = SKIPPED if (step == SKIP_STEP and rank == 1) else ()
+        skip = SKIPPED if (step == skip_step and rank == 1) else ()
         pending_per_step.append(0)
         model(x, skip).backward()
         opt.step()
@@ -83,6 +90,21 @@ def _case(rank, ws):
     return True
 
 
+def _case_head(rank, ws):
+    """The case the wrap-time connection (connect_reduce_paths) is for: rank 1 skips blocks in the
+    very first backward of a model whose root unit has a size of its own. Without the connection,
+    rank 0's first reduce of that size blocks its host inside NCCL's connect until rank 1 makes
+    it, while rank 1, paced, waits for gathers rank 0 has not started: a hang (the pytest time-out
+    fails it). With it: no hang, and the result is bit-identical to the unpaced run."""
+    device = pynccl.get_device()
+    _, _, ref = _run(device, rank, ws, 0, False, head=True, skip_step=0)
+    _, waits, state = _run(device, rank, ws, LEAD, False, head=True, skip_step=0)
+    assert waits > 0
+    for k, v in ref.items():
+        assert torch.equal(state[k], v), k
+    return True
+
+
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
@@ -97,3 +119,9 @@ def test_paced_backward_bounds_reduce_inputs_one_gpu():
 @needs_2_gpus
 def test_paced_backward_with_a_skipping_rank_two_gpus():
     assert run_multiprocess(_case, 2, backend="nccl", start_method="spawn", timeout=300) == [True, True]
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_paced_first_backward_skipping_blocks_with_a_root_of_its_own_size():
+    assert run_multiprocess(_case_head, 2, backend="nccl", start_method="spawn", timeout=240) == [True, True]

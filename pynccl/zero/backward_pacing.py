@@ -17,7 +17,7 @@ already started (prefetch comes before the wait), and the peers start their matc
 long as their hosts move. One thing can stop a peer's host: NCCL connects a communicator's
 algorithm on its first use, and that call blocks on the host until every rank makes it. A peer
 whose first reduce-scatter waits for this rank's deferred one, while this rank waits here for a
-gather that peer has not started, would hang. So where pacing is on, connect_reduce_paths runs
+gather that peer has not started, would hang. So connect_reduce_paths runs
 each reduce the model will run (every unit size; hybrid, the replicas' all-reduce too) once at
 wrap time, on every rank alike, and a reduce call no longer blocks the host in backward. The
 reduces the GPU has finished by the wait are freed right after it. With lead L,
@@ -30,7 +30,14 @@ backward that does not reduce (gradient accumulation: nothing to bound; stage3.p
 
 The wait polls the event, bounded: where the GPU is stuck (an all-gather whose peer died), the
 group's watchdog acts at its timeout (ends the process, or aborts the communicator, which ends the
-stuck kernel); should the GPU still not get there by twice that timeout, TimeoutError, not a hang.
+stuck kernel); should the GPU still not get there by twice that timeout, PacingTimeoutError (a
+PyncclError and a TimeoutError), not a hang. The bound knows only the ZeRO group's timeout: a
+block whose backward waits on another group's collective for longer (TP, pipeline) needs a ZeRO
+group timeout at least that long, or the pacing off.
+
+connect_reduce_paths runs on CUDA whatever the lead: whether a rank runs these collectives must not
+depend on its own environment (a rank with pacing off would skip them, and its first real reduce
+would pair with a peer's zeros).
 """
 from __future__ import annotations
 
@@ -39,6 +46,8 @@ import os
 import time
 
 import torch
+
+from ..errors import PacingTimeoutError
 
 
 DEFAULT_LEAD = 2
@@ -83,20 +92,22 @@ class BackwardPacer:
         self._last_index = index
         event = torch.cuda.Event()
         event.record()
-        self._events.append(event)
+        self._events.append((index, event))
         if len(self._events) <= self.lead:
             return False
-        self._wait(self._events.popleft(), index)
+        self._wait(*self._events.popleft(), index)
         self.waits += 1
         return True
 
-    def _wait(self, event: torch.cuda.Event, index: int) -> None:
+    def _wait(self, earlier: int, event: torch.cuda.Event, index: int) -> None:
         deadline = time.monotonic() + 2 * self.timeout_s
         while not event.query():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"ZeRO-3 backward: before unit {index}'s backward, the GPU did not reach the "
-                                  f"unit {self.lead} back within {2 * self.timeout_s:g} s (twice the group's "
-                                  f"timeout; {ENV}=0 turns this pacing off)")
+                raise PacingTimeoutError(
+                    f"ZeRO-3 backward: before unit {index}'s backward, the GPU did not reach unit {earlier}'s "
+                    f"backward ({self.lead} back) within {2 * self.timeout_s:g} s (twice the ZeRO group's timeout; "
+                    f"a collective of another group stuck in that block, or a dead peer; {ENV}=0 turns this "
+                    f"pacing off)")
             time.sleep(self.POLL_S)
 
 
@@ -109,7 +120,9 @@ def connect_reduce_paths(units, device_types=("cuda",)) -> int:
     seen = set()
     for u in units:
         key = (u.layout.padded_numel, u.reduce_dtype)
-        if key in seen or u.full.device.type not in device_types or u.reduce_group.world_size == 1:
+        # NOTE: hybrid with a shard group of one still all-reduces across the replicas.
+        if key in seen or u.full.device.type not in device_types or \
+                (u.reduce_group.world_size == 1 and u.replicate_group is None):
             continue
         seen.add(key)
         pending = u.reduce_grad([torch.zeros(u.layout.padded_numel, dtype=u.reduce_dtype, device=u.full.device)])

@@ -122,8 +122,7 @@ class ShardedParamsRuntime(GatherWalk):
         self._cursor = len(self.units) - 1               # next unit index to reduce (descending)
         self._pacer = BackwardPacer(self.units[0].full.device if self.units else torch.device("cpu"),
                                     lead_from_env(), group.timeout_s)  # backward_pacing.py: bounds reduce inputs alive
-        if self._pacer.lead:
-            connect_reduce_paths(self.units)
+        connect_reduce_paths(self.units)                 # on every rank alike, whatever its lead (see there)
 
     def describe_gather_ring(self) -> str:
         ring = self.gather_ring
