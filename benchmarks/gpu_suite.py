@@ -103,7 +103,7 @@ def groups(n):
                                               f"--json {{out}}/ddp_medium.json"))],
         # Issue 26's tied-embedding tail (tied_embedding_rows) and the levers that each beat the default,
         # together: the NCCL test, then nanoGPT and GPT-2 medium windows.
-        "tiedrows": [("tiedrows_tests", 150, f"{tests} tests/test_ddp_embedding_rows_gpu.py"),
+        "tiedrows": [("tiedrows_tests", 150, f"{tests} tests/test_ddp_embedding_rows_gpu.py tests/test_comm_streams_gpu.py"),
                      ("tiedrows_nano", 240, _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m --steps 8 "
                                                       "--repeats 2 --warmup 3 --no-diagnostics --levers tied-rows "
                                                       "comm-copy-engine copy-engine+grad-view "
