@@ -27,6 +27,7 @@ SOURCES = [
     "csrc/buffer_registration.cpp",
     "csrc/collectives.cpp",
     "csrc/comm_config.cpp",
+    "csrc/comm_stream.cpp",
     "csrc/communicator.cpp",
     "csrc/nccl_api.cpp",
     "csrc/op_scope.cpp",

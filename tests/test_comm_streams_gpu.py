@@ -1,5 +1,5 @@
 """Every live NCCL communicator runs its ops on a CUDA stream no other live communicator of its
-device uses (csrc/communicator.cpp, unshared_stream). torch's stream pool hands out 32 streams per
+device uses (csrc/comm_stream.cpp, unshared_stream). torch's stream pool hands out 32 streams per
 priority round-robin, shared with torch.cuda.Stream(); before, two communicators made 32·k draws
 apart shared one stream, so their collectives queued behind each other, and ZeRO-3's reduce-scatter
 communicator, kept apart so that its reduces never hold back the all-gathers, could deadlock.

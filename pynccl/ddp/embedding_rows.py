@@ -115,7 +115,6 @@ class TiedEmbeddingRows:
         if not embeddings:
             raise ValueError("DistributedDataParallel: tied_embedding_rows=True but the module has no nn.Embedding "
                              "whose weight another module (the LM head) also registers; nothing to do")
-        self._ddp = weakref.ref(ddp)
         self.backend = ddp.process_group.backend
         self.embeddings = embeddings
         self.lookups: List[_Lookup] = []

@@ -42,6 +42,7 @@ from .sync_batchnorm import SyncBatchNorm
 
 __all__ = ["DistributedDataParallel", "SyncBatchNorm"]
 
+_NO_WINDOW = contextlib.nullcontext()      # forward without tied_embedding_rows (reusable, allocated once)
 _TORCH_FIRST_BUCKET_BYTES = getattr(tdist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 * MiB)
 
 
@@ -157,10 +158,13 @@ class DistributedDataParallel(nn.Module):
         self.reducer = Reducer(named_params, group, self.bucket_bytes_cap, find_unused_parameters,
                                gradient_as_bucket_view, static_graph, comm_paths.resolve(comm_path))
         if tied_embedding_rows is None:      # the environment asks only where the model has a tied embedding
-            asked = os.environ.get("PYNCCL_DDP_TIED_EMBEDDING_ROWS", "0") not in ("", "0")
-            tied_embedding_rows = asked and bool(tied_embeddings(module))
+            tied_embedding_rows = os.environ.get("PYNCCL_DDP_TIED_EMBEDDING_ROWS", "0") not in ("", "0")
+            embeddings = tied_embeddings(module) if tied_embedding_rows else []
+            tied_embedding_rows = bool(embeddings)
+        elif tied_embedding_rows:
+            embeddings = tied_embeddings(module)
         if tied_embedding_rows:
-            self.reducer.tied_rows = TiedEmbeddingRows(self, tied_embeddings(module))
+            self.reducer.tied_rows = TiedEmbeddingRows(self, embeddings)
 
     @staticmethod
     def _trainable_params(module: nn.Module) -> List[tuple]:
@@ -193,7 +197,7 @@ class DistributedDataParallel(nn.Module):
         inputs, kwargs, sync = run.pre_forward(self, inputs, kwargs)
         # tied_embedding_rows: its lookups take the rows path only here (and never traced: off under compile)
         tied = self.reducer.tied_rows if run is _PLAIN else None
-        with run.active_ddp_module(self), (tied.forward_window(sync) if tied is not None else contextlib.nullcontext()):
+        with run.active_ddp_module(self), (tied.forward_window(sync) if tied is not None else _NO_WINDOW):
             output = self.module(*inputs, **kwargs)
         return run.post_forward(self, output, sync)
 
