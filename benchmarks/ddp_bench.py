@@ -45,7 +45,9 @@ LEVER_BASELINES = [FLOOR, "torch DDP", "pynccl DDP"]       # alive through every
 
 
 def grad_view_settings(arg):
-    return {"off": [False], "on": [True], "both": [False, True]}[arg]
+    # NOTE: "default": each DDP's own constructor default (torch False; pynccl's ddp/defaults.py: views),
+    # issue 26's "default constructor arguments"; named False (no suffix) in the tables.
+    return {"default": [None], "off": [False], "on": [True], "both": [False, True]}[arg]
 
 
 def mode_names(settings, skip, compare_py_path=False, compare_priority=False):
@@ -224,9 +226,10 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode per repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--grad-view", nargs="?", const="on", default="off", choices=["off", "on", "both"],
-                   help="gradient_as_bucket_view for both DDPs: --grad-view (= on) True, 'both' runs the DDP modes "
-                        "under False and True in one process (floors shared)")
+    p.add_argument("--grad-view", nargs="?", const="on", default="default", choices=["default", "off", "on", "both"],
+                   help="gradient_as_bucket_view: 'default' (default) leaves it to each DDP's constructor (torch "
+                        "False, pynccl True), --grad-view (= on) True for both, 'off' False for both, 'both' runs "
+                        "the DDP modes under False and True in one process (floors shared)")
     p.add_argument("--skip", nargs="*", default=[], choices=MODES, help="modes to leave out")
     p.add_argument("--graph-modes", action="store_true",
                    help="run the CUDA-graph modes also for models whose graphs do not fit an 80 GB H100 beside the "

@@ -101,17 +101,26 @@ def groups(n):
                                               f"--repeats 2 --warmup 2 --no-diagnostics {NOGRAPH} --levers comm-default "
                                               f"comm-copy-engine overlap-optimizer bf16-wire "
                                               f"--json {{out}}/ddp_medium.json"))],
-        # Issue 26's tied-embedding tail (tied_embedding_rows) and the levers that each beat the default,
-        # together: the NCCL test, then nanoGPT and GPT-2 medium windows.
-        "tiedrows": [("tiedrows_tests", 150, f"{tests} tests/test_ddp_embedding_rows_gpu.py tests/test_comm_streams_gpu.py"),
-                     ("tiedrows_nano", 240, _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m --steps 8 "
-                                                      "--repeats 2 --warmup 3 --no-diagnostics --levers tied-rows "
-                                                      "comm-copy-engine copy-engine+grad-view "
-                                                      "copy-engine+grad-view+tied-rows --json {out}/tiedrows_nano.json")),
-                     ("tiedrows_medium", 240, _torchrun(n, "benchmarks/ddp_bench.py", f"--model hf-gpt2-medium --steps 5 "
-                                                        f"--repeats 2 --warmup 2 --no-diagnostics {NOGRAPH} --levers "
-                                                        f"tied-rows copy-engine+grad-view+tied-rows "
-                                                        f"--json {{out}}/tiedrows_medium.json"))],
+        # Issue 26's defaults since session 12 (bucket views, the tied embedding's tail as rows over
+        # NCCL): their NCCL test, ddp_bench's default constructor against the old defaults and the copy
+        # engine, and nanoGPT's own train.py against its one-GPU floor (compiled, then eager).
+        "ddpdefaults": [("ddpdefaults_tests", 150, f"{tests} tests/test_ddp_embedding_rows_gpu.py tests/test_ddp_gpu.py"),
+                        ("ddpdefaults_nano", 150, _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m --steps 8 "
+                                                            "--repeats 3 --warmup 3 --no-diagnostics --levers "
+                                                            "copies+plain-tied comm-copy-engine "
+                                                            "--json {out}/ddpdefaults_nano.json")),
+                        ("ddpdefaults_medium", 200, _torchrun(n, "benchmarks/ddp_bench.py", f"--model hf-gpt2-medium "
+                                                              f"--steps 5 --repeats 2 --warmup 2 --no-diagnostics "
+                                                              f"{NOGRAPH} --levers copies+plain-tied comm-copy-engine "
+                                                              f"--json {{out}}/ddpdefaults_medium.json")),
+                        ("ddpdefaults_trainpy", 240, f"python3 benchmarks/nanogpt_swap.py --nproc {n} --variants "
+                                                     "floor,torch-ddp,pynccl-ddp --set max_iters=40 --timeout 75 "
+                                                     "--json {out}/ddpdefaults_trainpy.json --run-dir {out}/nanogpt_runs"),
+                        ("ddpdefaults_trainpy_eager", 200, f"python3 benchmarks/nanogpt_swap.py --nproc {n} --variants "
+                                                           "floor,torch-ddp,pynccl-ddp --set compile=False --set "
+                                                           "max_iters=40 --rounds 2 --timeout 60 --json "
+                                                           "{out}/ddpdefaults_trainpy_eager.json --run-dir "
+                                                           "{out}/nanogpt_runs_eager")],
         # Issue 26's early unpack: its tests, then its A/B (the default of reducer.unpack_early).
         "unpack": [("unpack_tests", 180, f"{tests} tests/test_ddp_unpack_gpu.py tests/test_nccl_inputs_buckets.py"),
                    ("unpack_ab", 240, _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m --steps 8 "

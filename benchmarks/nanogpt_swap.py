@@ -24,6 +24,10 @@ What is swapped, in a copy of train.py (each edit must match exactly once, or th
               pynccl.FullyShardedDataParallel(model, stage=K) (nanogpt_swap.zero_wrapper), and the
               clipping line -> pynccl.clip_grad_norm_ (torch's would clip each rank's shards by their
               local norm). Parameters stay fp32 under nanoGPT's own bf16 autocast, as with DDP.
+  floor       train.py unchanged, one process without torchrun (no DDP, no communication),
+              gradient_accumulation_steps=1: one GPU's share of a step (the same per-GPU batch); each
+              variant's cost is its time over this, and its ratio that cost over torch DDP's (issue
+              26). Its losses (one rank's data) are not compared
   --device cpu  train.py puts every torchrun process on cuda:LOCAL_RANK and passes device_ids to
               DDP: there it keeps --device and passes none.
 Settings for a comparable run (override any with --set key=value): synthetic data (a learnable
@@ -46,7 +50,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-VARIANTS = ["torch-ddp", "pynccl-ddp", "pynccl-ddp-tied-rows", "zero1", "zero2", "zero3"]
+VARIANTS = ["floor", "torch-ddp", "pynccl-ddp", "pynccl-ddp-tied-rows", "zero1", "zero2", "zero3"]
 FILES = ("train.py", "model.py", "configurator.py")
 IMPORT = "from torch.nn.parallel import DistributedDataParallel as DDP\n"
 CLIP = "        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n"
@@ -101,7 +105,9 @@ def patched_train_py(source: str, variant: str, device: str) -> str:
         if text.count(old) != 1:
             raise ValueError(f"nanogpt_swap: expected one {old.strip()!r} in train.py, found {text.count(old)}")
         return text.replace(old, new)
-    if variant == "pynccl-ddp":
+    if variant == "floor":
+        pass
+    elif variant == "pynccl-ddp":
         source = swap(source, IMPORT, "from pynccl import DistributedDataParallel as DDP\n")
     elif variant == "pynccl-ddp-tied-rows":
         source = swap(source, IMPORT, "from nanogpt_swap import tied_rows_ddp as DDP\n")
@@ -176,8 +182,11 @@ def run_variant(variant: str, args, settings: dict, run_root: str) -> dict:
     shutil.copytree(os.path.join(run_root, "data"), os.path.join(folder, "data", "synthetic"), dirs_exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "train.py"] + [f"--{k}={v}" for k, v in settings.items()]
+    if variant == "floor":           # one process, no torchrun: train.py runs without DDP
+        cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in dict(settings, gradient_accumulation_steps=1).items()]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               "train.py"] + [f"--{k}={v}" for k, v in settings.items()]
     try:
         proc = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired as e:
@@ -209,6 +218,7 @@ def summarise(rows, settings: dict, args) -> list:
     flops = nanogpt_flops_per_token(dict(settings, vocab=vocab_for(args)))
     peak = _peak(args.device) if settings.get("dtype", "bfloat16") == "bfloat16" else None
     ref = next((r for r in rows if r["variant"] == "torch-ddp" and not r.get("error")), None)
+    floor = next((r for r in rows if r["variant"] == "floor" and not r.get("error")), None)
     problems = []
     for r in rows:
         if r.get("error"):
@@ -216,10 +226,15 @@ def summarise(rows, settings: dict, args) -> list:
             continue
         if r.get("exit_error"):
             problems.append(f"{r['variant']}: the processes did not exit cleanly ({r['exit_error']})")
-        timed = r["ms"][args.skip:] or r["ms"]
+        timed = r.get("timed") or r["ms"][args.skip:] or r["ms"]
         r["median_ms"] = statistics.median(timed)
         r["tokens_per_s_gpu"] = tokens_iter / (r["median_ms"] / 1e3) / args.nproc
         r["mfu"] = mfu.mfu(flops, r["tokens_per_s_gpu"], peak)
+        if r is floor:
+            # NOTE: one GPU's share of the step: its tokens per second per GPU are the whole step's.
+            r["tokens_per_s_gpu"] *= args.nproc / int(settings["gradient_accumulation_steps"])
+            r["mfu"] = mfu.mfu(flops, r["tokens_per_s_gpu"], peak)
+            continue
         if ref is not None and r is not ref:
             n = min(len(r["losses"]), len(ref["losses"]))
             r["max_loss_rdiff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:n], ref["losses"][:n]))
@@ -228,6 +243,14 @@ def summarise(rows, settings: dict, args) -> list:
                 problems.append(f"{r['variant']}: losses {r['losses']} vs torch DDP's {ref['losses']} (largest "
                                 f"relative "
                                 f"difference {r['max_loss_rdiff']:.2e} > {args.loss_rtol:g}, or fewer iterations)")
+    if floor is not None and "median_ms" in floor:
+        for r in rows:
+            if r is not floor and "median_ms" in r:
+                r["over_floor_ms"] = r["median_ms"] - floor["median_ms"]
+        if ref is not None and "over_floor_ms" in ref:
+            for r in rows:
+                if r is not ref and "over_floor_ms" in r and ref["over_floor_ms"] > 0:
+                    r["overhead_vs_torch"] = r["over_floor_ms"] / ref["over_floor_ms"]
     return problems
 
 
@@ -258,16 +281,19 @@ def print_table(rows, settings: dict) -> None:
           f"batch {settings['batch_size']} x {settings['block_size']} per rank, "
           f"compile={settings.get('compile', True)}, "
           f"dtype {settings.get('dtype', 'bfloat16')}")
-    print(f"{'variant':<12}{'iters':>6}{'median ms':>11}{'vs torch':>10}{'tok/s/GPU':>11}{'MFU':>7}{'first loss':>12}"
-          f"{'last loss':>11}{'max rel diff':>14}")
+    print(f"{'variant':<22}{'iters':>6}{'median ms':>11}{'vs torch':>10}{'over floor':>12}{'cost/torch':>12}"
+          f"{'tok/s/GPU':>11}{'MFU':>7}{'first loss':>12}{'last loss':>11}{'max rel diff':>14}")
     for r in rows:
         if r.get("error"):
-            print(f"{r['variant']:<12}FAILED: {r['error']}")
+            print(f"{r['variant']:<22}FAILED: {r['error']}")
             continue
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         vs = f"{r['ms_vs_torch']:.3f}" if "ms_vs_torch" in r else "-"
         rd = f"{r['max_loss_rdiff']:.2e}" if "max_loss_rdiff" in r else "-"
-        print(f"{r['variant']:<12}{len(r['losses']):>6}{r['median_ms']:>11.2f}{vs:>10}{r['tokens_per_s_gpu']:>11,.0f}"
+        over = f"{r['over_floor_ms']:.2f}" if "over_floor_ms" in r else "-"
+        cost = f"{r['overhead_vs_torch']:.2f}" if "overhead_vs_torch" in r else "-"
+        print(f"{r['variant']:<22}{len(r['losses']):>6}{r['median_ms']:>11.2f}{vs:>10}{over:>12}{cost:>12}"
+              f"{r['tokens_per_s_gpu']:>11,.0f}"
               f"{mfu:>7}{r['losses'][0]:>12.4f}{r['losses'][-1]:>11.4f}{rd:>14}")
 
 
@@ -286,6 +312,9 @@ def main(argv=None) -> int:
     p.add_argument("--loss-rtol", type=float, default=0.02)
     p.add_argument("--timeout", type=float, default=900, help="seconds per variant")
     p.add_argument("--run-dir", default=os.path.join(HERE, "results", "nanogpt_runs"))
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the variants in turn this many times; each variant's median is over the timed "
+                        "iterations of all its rounds (the losses are its first round's)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.nanogpt_git:
@@ -298,12 +327,20 @@ def main(argv=None) -> int:
     settings = settings_for(args)
     tokens = 50 * int(settings["block_size"]) * int(settings["batch_size"]) * args.nproc
     write_data(os.path.join(args.run_dir, "data"), max(tokens, 100_000), vocab_for(args))
-    rows = []
-    for v in variants:                 # one line each as they finish: a run cut short keeps the others'
-        rows.append(run_variant(v, args, settings, args.run_dir))
-        r = rows[-1]
-        print(f"# {v}: rc {r['rc']}, {len(r['losses'])} iterations, losses {r['losses'][:1]}..{r['losses'][-1:]}, "
-              f"ms {r['ms'][-3:]}{'; ' + r['error'] if r.get('error') else ''}", flush=True)
+    rows = {}
+    for round_ in range(args.rounds):
+        for v in variants:             # one line each as they finish: a run cut short keeps the others'
+            r = run_variant(v, args, settings, args.run_dir)
+            print(f"# round {round_ + 1}, {v}: rc {r['rc']}, {len(r['losses'])} iterations, losses "
+                  f"{r['losses'][:1]}..{r['losses'][-1:]}, ms {r['ms'][-3:]}{'; ' + r['error'] if r.get('error') else ''}",
+                  flush=True)
+            first = rows.setdefault(v, r)
+            if r.get("error"):
+                first.setdefault("error", r["error"])
+            first.setdefault("timed", []).extend(r["ms"][args.skip:])
+            first.setdefault("rounds_median_ms", []).append(
+                round(statistics.median(r["ms"][args.skip:]), 2) if r["ms"][args.skip:] else None)
+    rows = list(rows.values())
     problems = summarise(rows, settings, args)
     print_table(rows, settings)
     for line in problems:

@@ -13,7 +13,9 @@ import pytest
 
 from pynccl.testing import run_multiprocess
 
-VOCAB, DIM, BATCH, SEQ, STEPS = 24, 16, 3, 8, 4
+# NOTE: VOCAB 80 >= ranks x tokens (2 x 24, 3 x 24): the rows path; longer sequences (2 x SEQ) take
+# the dense fallback (embedding_rows.py: the gathered rows would outweigh the dense gradient).
+VOCAB, DIM, BATCH, SEQ, STEPS = 80, 16, 3, 8, 4
 
 
 def _model(padding_idx=None):
@@ -27,7 +29,7 @@ def _model(padding_idx=None):
         def __init__(self):
             super().__init__()
             self.wte = nn.Embedding(VOCAB, DIM, padding_idx=padding_idx)
-            self.wpe = nn.Embedding(SEQ, DIM)
+            self.wpe = nn.Embedding(2 * SEQ, DIM)
             self.block = nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
             self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
             self.lm_head.weight = self.wte.weight
@@ -76,7 +78,7 @@ def _grad_rtol(ws, tokens):
 
 
 def _both(rank, ws, *, opt="plain-sgd", accumulate=1, seq_of=None, padding_idx=None, grad_as_view=False,
-          check_grads=True, hf=False):
+          check_grads=True, hf=False, exchange="rows"):
     """Trains pynccl DDP(tied_embedding_rows=True) and torch DDP side by side on the same batches;
     asserts the gradients after every backward and the parameters after every step."""
     import contextlib
@@ -108,6 +110,7 @@ def _both(rank, ws, *, opt="plain-sgd", accumulate=1, seq_of=None, padding_idx=N
         if check_grads:
             for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
                 assert_within(p.grad, q.grad, rtol * q.grad.abs().max().item(), f"step {step} grad of {name}")
+        assert ours.reducer.tied_rows.last_exchange == exchange
         record_grad_scale(ref.module.parameters(), grad_scale)
         o_ours.step()
         o_ref.step()
@@ -135,19 +138,98 @@ def test_hugging_face_gpt2_equals_torch_ddp():
     _run(_both, opt="adamw", hf=True)
 
 
-def _from_environment(rank, ws):
-    """PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns the path on where the constructor leaves it None, only
-    for models that have a tied embedding (an untied one keeps the default, without an error)."""
+def _from_environment(rank, ws, expect_on):
+    """The default (None) is on over NCCL only (pynccl/ddp/defaults.py), so off here on gloo;
+    PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns it on for any backend, =0 off, only for models that
+    have a tied embedding (an untied one keeps the default, without an error)."""
     from torch import nn
     import pynccl
-    assert pynccl.DistributedDataParallel(_hf_gpt2()).reducer.tied_rows is not None
+    default = pynccl.DistributedDataParallel(_hf_gpt2())
+    assert (default.reducer.tied_rows is not None) == expect_on
+    assert default.gradient_as_bucket_view is True and default.reducer.grad_as_view     # the default: views
+    if expect_on:
+        assert default.reducer.tied_rows.explicit is False
     untied = nn.Sequential(nn.Embedding(4, 4), nn.Linear(4, 4))
     assert pynccl.DistributedDataParallel(untied).reducer.tied_rows is None
     assert pynccl.DistributedDataParallel(_hf_gpt2(), tied_embedding_rows=False).reducer.tied_rows is None
+    assert pynccl.DistributedDataParallel(_hf_gpt2(), tied_embedding_rows=True).reducer.tied_rows.explicit
 
 
-def test_environment_variable_turns_it_on_for_tied_models():
-    run_multiprocess(_from_environment, 2, backend="gloo", timeout=300, env={"PYNCCL_DDP_TIED_EMBEDDING_ROWS": "1"})
+@pytest.mark.parametrize("env,expect_on", [(None, False), ("1", True), ("0", False)])
+def test_default_and_environment_variable(env, expect_on):
+    run_multiprocess(_from_environment, 2, backend="gloo", timeout=300, kwargs=dict(expect_on=expect_on),
+                     env={} if env is None else {"PYNCCL_DDP_TIED_EMBEDDING_ROWS": env})
+
+
+def test_environment_values_and_bad_ones():
+    from pynccl.ddp import defaults
+    import os
+    from unittest import mock
+    with mock.patch.dict(os.environ, {"PYNCCL_DDP_TIED_EMBEDDING_ROWS": "yes"}):
+        with pytest.raises(ValueError, match="PYNCCL_DDP_TIED_EMBEDDING_ROWS must be 0 or 1, got 'yes'"):
+            defaults.tied_embedding_rows(None, _model(), "nccl")
+    with pytest.raises(TypeError, match="gradient_as_bucket_view must be a bool or None"):
+        defaults.gradient_as_bucket_view(1)
+    assert defaults.gradient_as_bucket_view(None) is True and defaults.gradient_as_bucket_view(False) is False
+    with mock.patch.dict(os.environ, {"PYNCCL_DDP_GRADIENT_AS_BUCKET_VIEW": "0"}):
+        assert defaults.gradient_as_bucket_view(None) is False and defaults.gradient_as_bucket_view(True) is True
+    with mock.patch.dict(os.environ, {"PYNCCL_DDP_GRADIENT_AS_BUCKET_VIEW": "on"}):
+        with pytest.raises(ValueError, match="PYNCCL_DDP_GRADIENT_AS_BUCKET_VIEW must be 0 or 1, got 'on'"):
+            defaults.gradient_as_bucket_view(None)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("opt", ["plain-sgd", "adamw"])
+def test_many_tokens_take_the_dense_fallback(opt):
+    """2 ranks x 48 tokens > VOCAB: the gathered rows would outweigh the dense gradient, so the
+    lookup's dense gradient is all-reduced at the end instead; still equal to torch DDP."""
+    _run(_both, opt=opt, seq_of=lambda r: 2 * SEQ, exchange="dense")
+
+
+def _steps_aside(rank, ws, what):
+    """Chosen by default (here through the variable), the rows path turns itself off where a
+    feature needs the plain path, instead of refusing; the model then trains as torch DDP."""
+    import torch
+    import torch.distributed as tdist
+    import pynccl
+    from numerics import assert_within
+    ours = pynccl.DistributedDataParallel(_model())
+    ref = torch.nn.parallel.DistributedDataParallel(_model(), process_group=tdist.group.WORLD)
+    assert ours.reducer.tied_rows is not None and not ours.reducer.tied_rows.explicit
+    idx, tgt = _batches(rank)[0]
+    ours(idx, tgt).backward()                           # one step on the rows path first
+    ref(idx, tgt).backward()
+    for m in (ours, ref):
+        m.zero_grad(set_to_none=True)
+    if what == "join":
+        with ours.join(), ref.join():
+            for m in (ours, ref):
+                m(idx, tgt).backward()
+    else:
+        if what == "overlap_optimizer":
+            ours.overlap_optimizer(torch.optim.SGD(ours.parameters(), lr=0.0))
+        elif what == "comm_hook":
+            def hook(state, bucket):                    # torch's allreduce hook, written out
+                fut = tdist.all_reduce(bucket.buffer().div_(ws), async_op=True).get_future()
+                return fut.then(lambda f: f.value()[0])
+            ours.register_comm_hook(None, hook)
+        elif what == "weight_hook":
+            ours.module.wte.weight.register_hook(lambda g: g)
+            ref.module.wte.weight.register_hook(lambda g: g)
+        from unittest import mock
+        with mock.patch("pynccl.ddp.embedding_rows._capturing", return_value=what == "cuda_graph_capture"):
+            for m in (ours, ref):
+                m(idx, tgt).backward()
+    assert ours.reducer.tied_rows is None
+    assert type(ours.module.wte).forward is torch.nn.Embedding.forward and "forward" not in vars(ours.module.wte)
+    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+        assert_within(p.grad, q.grad, _grad_rtol(ws, BATCH * SEQ) * q.grad.abs().max().item(), f"{what}: {name}")
+
+
+@pytest.mark.parametrize("what", ["join", "overlap_optimizer", "comm_hook", "weight_hook", "cuda_graph_capture"])
+def test_the_default_steps_aside_for_features_that_need_the_plain_path(what):
+    run_multiprocess(_steps_aside, 2, backend="gloo", timeout=300, kwargs=dict(what=what),
+                     env={"PYNCCL_DDP_TIED_EMBEDDING_ROWS": "1"})
 
 
 @pytest.mark.numerics
@@ -321,6 +403,13 @@ def _uses_outside_ddp_backward(rank, ws):
     with pytest.raises(RuntimeError, match="the tied weight has a gradient hook"):
         ours(idx, tgt)
     handle.remove()
+
+    # A forward captured in a CUDA graph (the exchange reads counts on the host): refused when asked
+    # for outright (the default steps aside: test_the_default_steps_aside_...).
+    from unittest import mock
+    with mock.patch("pynccl.ddp.embedding_rows._capturing", return_value=True):
+        with pytest.raises(RuntimeError, match="a CUDA graph is being captured"):
+            ours(idx, tgt)
 
     # A parametrized embedding (its weight computed) is left alone, also when the variable asks.
     untied = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 4))

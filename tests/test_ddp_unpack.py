@@ -21,7 +21,7 @@ def _check_decisions(rank, ws):
     # `never` gets a gradient in the first backward only; from then on it is locally unused
     # (find_unused_parameters finds it) though its .grad is still set: torch leaves that as it is.
     ddp = pynccl.DistributedDataParallel(_mlp(with_never=True), bucket_cap_mb=TINY_BUCKETS_MB,
-                                         find_unused_parameters=True)
+                                         find_unused_parameters=True, gradient_as_bucket_view=False)
     ddp.module.uses_never = True
     ddp(x).sum().backward()
     ddp.module.uses_never = False
@@ -42,13 +42,14 @@ def _check_decisions(rank, ws):
 
     # Every parameter used: every bucket early, unless the grads are bucket views (nothing to
     # unpack) or the optimizer steps in backward (optimizer_overlap.py writes back itself).
-    for kw, overlap in ((dict(), False), (dict(gradient_as_bucket_view=True), False), (dict(), True)):
+    copies = dict(gradient_as_bucket_view=False)         # NOTE: the default is views (pynccl/ddp/defaults.py)
+    for kw, overlap in ((copies, False), (dict(gradient_as_bucket_view=True), False), (copies, True)):
         ddp = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB, **kw)
         ddp.reducer.unpack_early = True
         if overlap:
             ddp.overlap_optimizer(torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1))
         ddp(x).sum().backward()
-        want = not kw and not overlap
+        want = not kw["gradient_as_bucket_view"] and not overlap
         assert _decisions(ddp, x) == [want] * len(ddp.reducer.bucketer.buckets), (kw, overlap)
     return True
 

@@ -86,6 +86,8 @@ def _train(model, opt, data, set_to_none, accumulate):
 
 
 def _ours(device, early, tail_chunks=1, **kw):
+    kw.setdefault("gradient_as_bucket_view", False)       # NOTE: unpacking is of copies; the default is views
+
     def wrap(m):
         d = pynccl.DistributedDataParallel(m, device_ids=[device.index], bucket_cap_mb=BUCKET_MB, **kw)
         d.reducer.unpack_early = early

@@ -72,5 +72,9 @@ def test_real_train_py_every_wrapper_trains_alike(tmp_path):
     ref = rows["torch-ddp"]["losses"]
     assert len(ref) == 13 and ref[-1] < ref[0] - 1.0, ref
     for variant, r in rows.items():
+        if variant == "floor":       # one process, one rank's batches: its own losses, no communication
+            assert len(r["losses"]) == 13 and r["rc"] == 0 and "over_floor_ms" not in r
+            continue
         assert r["losses"] == pytest.approx(ref, rel=1e-4, abs=1e-4), variant
+        assert r["over_floor_ms"] == pytest.approx(r["median_ms"] - rows["floor"]["median_ms"])
         assert r["median_ms"] > 0 and r["tokens_per_s_gpu"] > 0 and r["mfu"] is None

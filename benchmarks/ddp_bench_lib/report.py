@@ -6,7 +6,7 @@ from .trainer import FLOOR, ORACLE, VIEW
 
 
 def print_report(r):
-    views = {False: "False", True: "True"}
+    views = {False: "False", True: "True", None: "each constructor's default (torch False, pynccl True)"}
     print(f"# pynccl DDP benchmark: {r['model_description']} ({r.get('num_params', 0) / 1e6:.1f}M params), batch {r['batch']}x"
           f"{r['seq']} tokens per rank, {r['precision']}{' autocast' if r['precision'] == 'bf16' else ''}, "
           f"world size {r['world_size']}, {r['device']}, torch {r['torch']}, NCCL {r['nccl']}, "
@@ -49,7 +49,7 @@ def print_report(r):
             continue
         t_over = overhead("torch DDP" + suffix)[0]
         for m in modes:
-            if m.startswith("pynccl DDP") and m.endswith(VIEW) == v:
+            if m.startswith("pynccl DDP") and m.endswith(VIEW) == bool(v):
                 ratio = overhead(m)[0] / t_over if t_over > 0 else float("nan")
                 t_min = modes["torch DDP" + suffix]["min_ms"] - modes[FLOOR]["min_ms"]
                 base_min = modes.get(FLOOR + " + graph" if "+ graph" in m else FLOOR, {}).get("min_ms", float("nan"))

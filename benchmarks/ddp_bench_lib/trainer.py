@@ -58,7 +58,8 @@ class Trainer:
 
     def __init__(self, mode, args, device, torch_pg, batch, lever=None, group=None):
         torch.manual_seed(0)
-        grad_view = mode.endswith(VIEW)
+        # None: the argument not passed (each constructor's default; ddp_bench's --grad-view default)
+        grad_view = True if mode.endswith(VIEW) else (None if getattr(args, "grad_view", "off") == "default" else False)
         cuda = device.type == "cuda"
         device_ids = [device.index] if cuda else None
         with torch.device(device):                # initialised on the GPU: seconds less per mode for 355M
@@ -68,10 +69,10 @@ class Trainer:
         self.ddp = None
         if mode.startswith("torch DDP"):
             model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, process_group=torch_pg,
-                                                        gradient_as_bucket_view=grad_view)
+                                                        gradient_as_bucket_view=bool(grad_view))
         elif mode.startswith("pynccl"):
             prio0 = mode.startswith(COMM_PRIO0) or mode.startswith(ALL_PRIO0)
-            kwargs = dict(gradient_as_bucket_view=grad_view)
+            kwargs = {} if grad_view is None else dict(gradient_as_bucket_view=grad_view)
             if lever is not None:
                 kwargs.update(lever.ddp_kwargs)
             model = self.ddp = pynccl.DistributedDataParallel(

@@ -1,5 +1,6 @@
-"""Opt-in (issue 26, `DistributedDataParallel(..., tied_embedding_rows=True)`): the lookup part of
-a tied embedding's gradient crosses the wire as the rows this rank's tokens touched.
+"""Issue 26, `DistributedDataParallel(..., tied_embedding_rows=None|True)` (on by default over NCCL,
+defaults.py): the lookup part of a tied embedding's gradient crosses the wire as the rows this
+rank's tokens touched.
 
 In GPT-2 and nanoGPT the token embedding's weight is also the LM head's. Its gradient is the sum
 of two parts: the head's, dense (every vocabulary row) and complete at the very start of
@@ -21,16 +22,20 @@ Ranks may feed different numbers of tokens: each lookup's count is all-gathered 
 few bytes; on CUDA copied to pinned memory behind an event, read at the end of backward: the host
 waits there only if it ran a whole step ahead of the GPU) and the rows are padded to the largest.
 Every rank must make the same number of lookups per step, as with any collective. Each rank
-receives (N - 1) x tokens x width values against the all-reduce's 2(N - 1)/N x vocabulary x width.
+receives (N - 1) x tokens x width values against the all-reduce's 2(N - 1)/N x vocabulary x width;
+where N x the largest count exceeds the vocabulary (the gathered rows would outweigh the dense
+gradient, on the wire and in memory), that lookup's dense gradient is all-reduced at the end
+instead, as torch's tail, decided alike on every rank from the all-gathered counts.
 
 Where it applies: an nn.Embedding (no max_norm, not sparse, no scale_grad_by_freq, its weight a
 registered parameter) whose weight is also registered by a module that is not such an embedding
 (the head). An untied embedding keeps the default path (its weight would get no gradient through
 autograd at all). Torch's lookup runs under torch.compile, in no_sync(), without grad, outside
-DDP's own forward (a direct call of ddp.module) and in deep copies of the module. Refused: a comm
-hook other than the built-in ones, overlap_optimizer (it would step the weight before the rows
-arrive), join(), a gradient hook on the tied weight, a second backward through a lookup, ids
-modified in place before the end of backward. Not covered (documented in docs/training.md):
+DDP's own forward (a direct call of ddp.module) and in deep copies of the module. Refused where
+asked for outright (turned off where it is the default): a comm hook other than the built-in
+ones, overlap_optimizer (it would step the weight before the rows arrive), join(), a gradient hook
+on the tied weight, a forward captured in a CUDA graph. Refused always: a second backward through a lookup, ids modified in place
+before the end of backward. Not covered (documented in docs/training.md):
 torch.autograd.grad of the tied weight gets the head's part only.
 """
 from __future__ import annotations
@@ -43,6 +48,8 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..comm.reduce_op import ReduceOp
 
 
 def tied_embeddings(module: nn.Module) -> List[nn.Embedding]:
@@ -89,6 +96,10 @@ def _forward(emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     return rows._lookup(emb, ids)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class _Lookup:
     """One call: the weight, its token ids (flat), the all-gathered counts, and after backward the
     output-gradient rows (None if its output never reached a loss: a forward with no backward,
@@ -111,20 +122,35 @@ class TiedEmbeddingRows:
     """Installs the lookup on each handled embedding, and adds the exchanged rows at the end of
     backward (Reducer._on_backward_end calls finish())."""
 
-    def __init__(self, ddp, embeddings: List[nn.Embedding]):
+    def __init__(self, ddp, embeddings: List[nn.Embedding], explicit: bool = True):
         if not embeddings:
             raise ValueError("DistributedDataParallel: tied_embedding_rows=True but the module has no nn.Embedding "
                              "whose weight another module (the LM head) also registers; nothing to do")
         self.backend = ddp.process_group.backend
+        self.reducer = ddp.reducer
+        self.explicit = explicit              # asked for outright: refuse what needs the plain path (defaults.py)
         self.embeddings = embeddings
         self.lookups: List[_Lookup] = []
         self.anchor = torch.zeros((), device=ddp.device, requires_grad=True)
         self.in_forward = False               # DDP's own synced forward is running (forward_window)
+        self.last_exchange = None             # "rows" or "dense": how the last lookup's gradient crossed
         for emb in embeddings:
             # NOTE: a bound method: a deep copy of the module (an EMA model) gets its own, bound to the copy,
             # which is not one of `embeddings` and so looks up as torch does.
             emb.forward = types.MethodType(_forward, emb)
             emb._pynccl_tied_rows = weakref.ref(self)
+
+    def remove(self) -> None:
+        """Back to torch's lookup for good (a feature that needs the plain path, when this path was
+        the default). Only between steps: no lookup of this one may still wait for its rows."""
+        if self.lookups:
+            raise RuntimeError("DistributedDataParallel: cannot turn tied_embedding_rows off between a forward and "
+                               "its backward; do it before the step")
+        for emb in self.embeddings:
+            if emb.__dict__.get("forward") is not None and getattr(emb.forward, "__func__", None) is _forward:
+                del emb.forward
+            emb.__dict__.pop("_pynccl_tied_rows", None)
+        self.reducer.tied_rows = None
 
     @contextlib.contextmanager
     def forward_window(self, sync: bool):
@@ -137,9 +163,18 @@ class TiedEmbeddingRows:
             self.in_forward = False
 
     def _lookup(self, emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        why = None
         if emb.weight._backward_hooks:
-            raise RuntimeError("DistributedDataParallel(tied_embedding_rows=True): the tied weight has a gradient hook "
-                               "(register_hook); it would see the head's part only. Remove the hook or the option")
+            why = ("the tied weight has a gradient hook (register_hook); it would see the head's part only. Remove the "
+                   "hook or the option")
+        elif _capturing():
+            why = ("a CUDA graph is being captured, and the exchange reads the token counts on the host. Pass "
+                   "tied_embedding_rows=False for a captured step")
+        if why is not None:
+            if not self.explicit and not self.lookups:       # the default: step aside (defaults.py)
+                self.remove()
+                return F.embedding(ids, emb.weight, emb.padding_idx)
+            raise RuntimeError(f"DistributedDataParallel(tied_embedding_rows=True): {why}")
         counts = torch.empty(self.backend.world_size, dtype=torch.int64, device=ids.device)
         mine = torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)
         self.backend.all_gather_into_tensor(counts, mine, async_op=True).wait()   # a stream wait on CUDA
@@ -165,23 +200,41 @@ class TiedEmbeddingRows:
                                    "embedding were modified in place before the end of backward")
         for lk in lookups:
             lk.exchanged = True
-            ids, rows = self._exchange(lk)
             grad = lk.weight.grad
             if grad is None:
                 grad = lk.weight.grad = torch.zeros_like(lk.weight)
+            counts = lk.host_counts()
+            rows = self._local_rows(lk)
+            if len(counts) * max(counts) > lk.weight.shape[0]:
+                # NOTE: every rank's rows would outweigh the dense gradient (more bytes on the wire and
+                # in memory): all-reduce the lookup's dense gradient instead, torch's tail. Every rank
+                # decides alike (the counts are all-gathered).
+                dense = torch.zeros_like(grad)
+                dense.index_put_((lk.ids,), rows.to(grad.dtype), accumulate=True)
+                self.backend.all_reduce(dense, ReduceOp.SUM)
+                grad.add_(dense, alpha=scale)
+                self.last_exchange = "dense"
+                continue
+            ids, rows = self._exchange(lk, counts, rows)
             grad.index_put_((ids,), rows.to(grad.dtype).mul_(scale), accumulate=True)
+            self.last_exchange = "rows"
 
-    def _exchange(self, lk: _Lookup):
-        """(every rank's ids, every rank's rows), each rank's padded to the largest count with id 0
-        and zero rows (adding 0 changes nothing)."""
-        counts = lk.host_counts()
-        width, n = max(counts), lk.ids.numel()
+    @staticmethod
+    def _local_rows(lk: _Lookup) -> torch.Tensor:
+        """This rank's output-gradient rows, one per id (zeros for the padding row's)."""
+        n = lk.ids.numel()
         if lk.rows is None:                   # the lookup's output did not reach this loss: no gradient
             rows = lk.weight.new_zeros(n, lk.weight.shape[1])
         else:
             rows = lk.rows.reshape(n, lk.weight.shape[1])
         if lk.padding_idx is not None:        # F.embedding's backward gives the padding row nothing
             rows = rows.masked_fill((lk.ids == lk.padding_idx).unsqueeze(-1), 0)
+        return rows
+
+    def _exchange(self, lk: _Lookup, counts: List[int], rows: torch.Tensor):
+        """(every rank's ids, every rank's rows), each rank's padded to the largest count with id 0
+        and zero rows (adding 0 changes nothing)."""
+        width, n = max(counts), lk.ids.numel()
         ids = lk.ids
         if width != n:
             ids = torch.cat([ids, ids.new_zeros(width - n)])

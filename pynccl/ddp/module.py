@@ -21,7 +21,6 @@ inside the captured region when gradient_as_bucket_view=True).
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 from typing import List, Optional
 
@@ -33,8 +32,9 @@ from ..comm import distributed as dist
 from ..comm.coalesced import MiB, broadcast_from_rank0, coalesced_broadcaster
 from ..comm.groups import resolve_group
 from . import comm_path as comm_paths
+from . import defaults
 from . import hooks as comm_hooks
-from .embedding_rows import TiedEmbeddingRows, tied_embeddings
+from .embedding_rows import TiedEmbeddingRows
 from .join import Join
 from .optimizer_overlap import OptimizerOverlap
 from .reducer import Reducer
@@ -101,14 +101,18 @@ class DistributedDataParallel(nn.Module):
     comm_path (pynccl's own, keyword only): how the buckets are all-reduced on NCCL: "auto"
     (default; PYNCCL_DDP_COMM_PATH overrides), "default", "symmetric" or "copy_engine"
     (comm_path.py); `reducer.comm_path` says what is in use and why.
-    tied_embedding_rows (pynccl's own, keyword only, opt-in): a tied embedding's lookup gradient is
+    gradient_as_bucket_view: None (default) is True, measured faster (defaults.py); False is
+    torch's behaviour.
+    tied_embedding_rows (pynccl's own, keyword only): a tied embedding's lookup gradient is
     exchanged as the rows its tokens touched, apart from the head's part (embedding_rows.py);
-    None: PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns it on for models that have one (default off).
+    None (default): on over NCCL for models that have one, stepping aside where a feature needs
+    the plain path (defaults.py; PYNCCL_DDP_TIED_EMBEDDING_ROWS=0|1 overrides); True: on, and
+    such features raise; False: off.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
                  broadcast_buffers: bool = True, process_group=None, bucket_cap_mb=25,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: Optional[bool] = None,
                  static_graph: bool = False, *, comm_path: Optional[str] = None,
                  tied_embedding_rows: Optional[bool] = None):
         super().__init__()
@@ -143,6 +147,7 @@ class DistributedDataParallel(nn.Module):
         self.dim = dim
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
+        gradient_as_bucket_view = defaults.gradient_as_bucket_view(gradient_as_bucket_view)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.bucket_bytes_cap = int(bucket_cap_mb * MiB)     # torch DDP's name (torch.compile reads it)
@@ -157,14 +162,19 @@ class DistributedDataParallel(nn.Module):
         self._join = None                    # the active join() context (join.py), if any
         self.reducer = Reducer(named_params, group, self.bucket_bytes_cap, find_unused_parameters,
                                gradient_as_bucket_view, static_graph, comm_paths.resolve(comm_path))
-        if tied_embedding_rows is None:      # the environment asks only where the model has a tied embedding
-            tied_embedding_rows = os.environ.get("PYNCCL_DDP_TIED_EMBEDDING_ROWS", "0") not in ("", "0")
-            embeddings = tied_embeddings(module) if tied_embedding_rows else []
-            tied_embedding_rows = bool(embeddings)
-        elif tied_embedding_rows:
-            embeddings = tied_embeddings(module)
-        if tied_embedding_rows:
-            self.reducer.tied_rows = TiedEmbeddingRows(self, embeddings)
+        embeddings, explicit = defaults.tied_embedding_rows(tied_embedding_rows, module, group.backend_name)
+        if embeddings or explicit:          # explicit and none found: TiedEmbeddingRows raises
+            self.reducer.tied_rows = TiedEmbeddingRows(self, embeddings, explicit)
+
+    def _tied_rows_refuse_or_drop(self, what: str, why: str) -> None:
+        """`what` needs the plain path for the tied weight: asked for outright, refuse; chosen by
+        default, step aside (defaults.py)."""
+        rows = self.reducer.tied_rows
+        if rows is None:
+            return
+        if rows.explicit:
+            raise RuntimeError(f"{what}: not supported with tied_embedding_rows=True ({why})")
+        rows.remove()
 
     @staticmethod
     def _trainable_params(module: nn.Module) -> List[tuple]:
@@ -236,9 +246,9 @@ class DistributedDataParallel(nn.Module):
         """Context manager for uneven inputs across ranks (torch's DDP.join): a rank whose loop
         ended takes part, with zero gradients, in the others' collectives until all are done, then
         every rank gets the last joiner's parameters. See join.py."""
-        if self.reducer.tied_rows is not None and enable:
-            raise RuntimeError("DistributedDataParallel.join: not supported with tied_embedding_rows=True (a joined "
-                               "rank would not take part in the embedding rows' exchange)")
+        if enable:
+            self._tied_rows_refuse_or_drop("DistributedDataParallel.join", "a joined rank would not take part in "
+                                           "the embedding rows' exchange")
         return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
 
     @contextlib.contextmanager
@@ -259,9 +269,8 @@ class DistributedDataParallel(nn.Module):
         Exact for torch's optimizers; refuses find_unused_parameters=True."""
         if self.reducer.overlap is not None:
             raise RuntimeError("overlap_optimizer: an optimizer is already overlapped with this model's backward")
-        if self.reducer.tied_rows is not None:
-            raise RuntimeError("overlap_optimizer: not supported with tied_embedding_rows=True (the tied weight's "
-                               "bucket would be stepped before its embedding rows arrive, at the end of backward)")
+        self._tied_rows_refuse_or_drop("overlap_optimizer", "the tied weight's bucket would be stepped before its "
+                                       "embedding rows arrive, at the end of backward")
         self.reducer.overlap = OptimizerOverlap(self.reducer, optimizer)
         return optimizer
 
@@ -276,11 +285,14 @@ class DistributedDataParallel(nn.Module):
         """hook(state, GradBucket) -> object whose wait() returns the reduced flat gradient;
         torch's semantics: the bucket is not divided by world size, the hook averages (torch's own
         hooks run unchanged; see hooks.py). Once, before training."""
-        if self.reducer.tied_rows is not None and (hook not in comm_hooks.BUILTIN_HOOKS or
-                                                   resolve_group(state) is not self.process_group):
-            raise ValueError("register_comm_hook: with tied_embedding_rows=True only pynccl's built-in hooks over "
-                             "the DDP group itself (state None or that group) are supported: the embedding rows "
-                             "are averaged over that group, as the built-in hooks average the buckets")
+        if hook not in comm_hooks.BUILTIN_HOOKS or resolve_group(state) is not self.process_group:
+            try:
+                self._tied_rows_refuse_or_drop("register_comm_hook", "only pynccl's built-in hooks over the DDP "
+                                               "group itself (state None or that group) are supported: the "
+                                               "embedding rows are averaged over that group, as the built-in "
+                                               "hooks average the buckets")
+            except RuntimeError as e:
+                raise ValueError(str(e)) from None
         self.reducer.register_comm_hook(state, hook)
 
 
