@@ -420,3 +420,56 @@ def _uses_outside_ddp_backward(rank, ws):
 
 def test_uses_outside_ddp_backward_step_aside_or_raise():
     _run(_uses_outside_ddp_backward)
+
+
+def _saved_and_copied(rank, ws):
+    """torch.save of the whole module (not only its state_dict) and copy.deepcopy work with the rows
+    path installed; what comes back looks up as torch does, and the original stays on the path."""
+    import copy
+    import io
+    import torch
+    import pynccl
+    from pynccl.ddp.embedding_rows import _TorchForward
+    ours = pynccl.DistributedDataParallel(_hf_gpt2(), tied_embedding_rows=True)
+    idx, tgt = _batches(rank)[0]
+    buf = io.BytesIO()
+    torch.save(ours.module, buf)
+    buf.seek(0)
+    for other in (torch.load(buf, weights_only=False), copy.deepcopy(ours.module)):
+        wte = other.transformer.wte
+        assert isinstance(vars(wte)["forward"], _TorchForward) and wte.forward.emb is wte
+        assert torch.equal(wte(idx), torch.nn.functional.embedding(idx, wte.weight))
+        other(input_ids=idx, labels=tgt).loss.backward()           # trains as a plain model
+        assert other.transformer.wte.weight.grad is not None
+    assert ours.reducer.tied_rows.lookups == []
+    ours(input_ids=idx, labels=tgt).loss.backward()
+    assert ours.reducer.tied_rows.last_exchange == "rows"
+
+
+def test_whole_module_saved_and_deep_copied():
+    _run(_saved_and_copied)
+
+
+def _compiled_inside(rank, ws):
+    """nanoGPT's order: torch.compile(model), then DDP. The lookup is inside dynamo's graph, which
+    traces torch's lookup (no rows recorded), and the result equals torch DDP over the same
+    compiled model."""
+    import torch
+    import torch.distributed as tdist
+    import pynccl
+    from numerics import assert_within
+    torch._dynamo.reset()
+    ours = pynccl.DistributedDataParallel(torch.compile(_model(), backend="eager"), tied_embedding_rows=True)
+    ref = torch.nn.parallel.DistributedDataParallel(torch.compile(_model(), backend="eager"),
+                                                    process_group=tdist.group.WORLD)
+    for idx, tgt in _batches(rank, n=2):
+        for m in (ours, ref):
+            m.zero_grad(set_to_none=True)
+            m(idx, tgt).backward()
+        assert ours.reducer.tied_rows.last_exchange is None
+        for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+            assert_within(p.grad, q.grad, _grad_rtol(ws, BATCH * SEQ) * q.grad.abs().max().item(), name)
+
+
+def test_compiled_model_inside_looks_up_as_torch():
+    _run(_compiled_inside)

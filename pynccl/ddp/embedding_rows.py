@@ -31,7 +31,8 @@ Where it applies: an nn.Embedding (no max_norm, not sparse, no scale_grad_by_fre
 registered parameter) whose weight is also registered by a module that is not such an embedding
 (the head). An untied embedding keeps the default path (its weight would get no gradient through
 autograd at all). Torch's lookup runs under torch.compile, in no_sync(), without grad, outside
-DDP's own forward (a direct call of ddp.module) and in deep copies of the module. Refused where
+DDP's own forward (a direct call of ddp.module) and in deep copies of the module or the module
+pickled whole (torch.save) and loaded. Refused where
 asked for outright (turned off where it is the default): a comm hook other than the built-in
 ones, overlap_optimizer (it would step the weight before the rows arrive), join(), a gradient hook
 on the tied weight, a forward captured in a CUDA graph. Refused always: a second backward through a lookup, ids modified in place
@@ -41,7 +42,6 @@ torch.autograd.grad of the tied weight gets the head's part only.
 from __future__ import annotations
 
 import contextlib
-import types
 import weakref
 from typing import List, Optional
 
@@ -85,15 +85,37 @@ class _RowsLookup(torch.autograd.Function):
         return None, None, None, None, None
 
 
-def _forward(emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """nn.Embedding.forward while tied_embedding_rows is on (bound to the module)."""
-    # NOTE: is_compiling first: dynamo then traces torch's lookup and nothing else here.
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        return F.embedding(ids, emb.weight, emb.padding_idx)
-    rows = emb._pynccl_tied_rows()
-    if rows is None or not rows.in_forward or not any(e is emb for e in rows.embeddings):
-        return F.embedding(ids, emb.weight, emb.padding_idx)
-    return rows._lookup(emb, ids)
+class _RowsForward:
+    """An embedding's `forward` (an instance attribute) while the rows path is installed on it.
+    Copied or pickled (copy.deepcopy for an EMA model, torch.save of the whole module) it becomes
+    _TorchForward: a copy is not one of this DDP's embeddings and looks up as torch does."""
+
+    def __init__(self, emb: nn.Embedding, rows: "TiedEmbeddingRows"):
+        self.emb = emb                        # NOTE: a cycle through emb.__dict__, collected with the model
+        self.rows = weakref.ref(rows)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        emb = self.emb
+        # NOTE: is_compiling first: dynamo then traces torch's lookup and nothing else here.
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return F.embedding(ids, emb.weight, emb.padding_idx)
+        rows = self.rows()
+        if rows is None or not rows.in_forward:
+            return F.embedding(ids, emb.weight, emb.padding_idx)
+        return rows._lookup(emb, ids)
+
+    def __reduce__(self):
+        return _TorchForward, (self.emb,)
+
+
+class _TorchForward:
+    """What a copied or unpickled embedding keeps of _RowsForward: torch's own lookup."""
+
+    def __init__(self, emb: nn.Embedding):
+        self.emb = emb
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        return nn.Embedding.forward(self.emb, *args, **kwargs)
 
 
 def _capturing() -> bool:
@@ -135,10 +157,7 @@ class TiedEmbeddingRows:
         self.in_forward = False               # DDP's own synced forward is running (forward_window)
         self.last_exchange = None             # "rows" or "dense": how the last lookup's gradient crossed
         for emb in embeddings:
-            # NOTE: a bound method: a deep copy of the module (an EMA model) gets its own, bound to the copy,
-            # which is not one of `embeddings` and so looks up as torch does.
-            emb.forward = types.MethodType(_forward, emb)
-            emb._pynccl_tied_rows = weakref.ref(self)
+            emb.forward = _RowsForward(emb, self)
 
     def remove(self) -> None:
         """Back to torch's lookup for good (a feature that needs the plain path, when this path was
@@ -147,9 +166,8 @@ class TiedEmbeddingRows:
             raise RuntimeError("DistributedDataParallel: cannot turn tied_embedding_rows off between a forward and "
                                "its backward; do it before the step")
         for emb in self.embeddings:
-            if emb.__dict__.get("forward") is not None and getattr(emb.forward, "__func__", None) is _forward:
+            if isinstance(emb.__dict__.get("forward"), _RowsForward):
                 del emb.forward
-            emb.__dict__.pop("_pynccl_tied_rows", None)
         self.reducer.tied_rows = None
 
     @contextlib.contextmanager
