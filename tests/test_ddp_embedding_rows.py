@@ -139,9 +139,9 @@ def test_hugging_face_gpt2_equals_torch_ddp():
 
 
 def _from_environment(rank, ws, expect_on):
-    """The default (None) is on over NCCL only (pynccl/ddp/defaults.py), so off here on gloo;
-    PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns it on for any backend, =0 off, only for models that
-    have a tied embedding (an untied one keeps the default, without an error)."""
+    """The default (None) is off (opt-in, pynccl/ddp/defaults.py says why);
+    PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns it on, =0 off, only for models that have a tied
+    embedding (an untied one keeps the default, without an error). Bucket views are the default."""
     from torch import nn
     import pynccl
     default = pynccl.DistributedDataParallel(_hf_gpt2())
@@ -167,7 +167,7 @@ def test_environment_values_and_bad_ones():
     from unittest import mock
     with mock.patch.dict(os.environ, {"PYNCCL_DDP_TIED_EMBEDDING_ROWS": "yes"}):
         with pytest.raises(ValueError, match="PYNCCL_DDP_TIED_EMBEDDING_ROWS must be 0 or 1, got 'yes'"):
-            defaults.tied_embedding_rows(None, _model(), "nccl")
+            defaults.tied_embedding_rows(None, _model())
     with pytest.raises(TypeError, match="gradient_as_bucket_view must be a bool or None"):
         defaults.gradient_as_bucket_view(1)
     assert defaults.gradient_as_bucket_view(None) is True and defaults.gradient_as_bucket_view(False) is False
@@ -411,6 +411,17 @@ def _uses_outside_ddp_backward(rank, ws):
         with pytest.raises(RuntimeError, match="a CUDA graph is being captured"):
             ours(idx, tgt)
 
+    # An embedding subclass with a forward of its own (HF Gemma scales its lookup) is left alone.
+    class Scaled(nn.Embedding):
+        def forward(self, input):
+            return super().forward(input) * 8.0
+    scaled = nn.Sequential(Scaled(6, 4), nn.Linear(4, 6, bias=False))
+    scaled[1].weight = scaled[0].weight
+    from pynccl.ddp.embedding_rows import tied_embeddings as found
+    plain = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 6, bias=False))
+    plain[1].weight = plain[0].weight
+    assert found(scaled) == [] and found(plain) == [plain[0]]
+
     # A parametrized embedding (its weight computed) is left alone, also when the variable asks.
     untied = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 4))
     nn.utils.parametrizations.weight_norm(untied[0])
@@ -429,15 +440,28 @@ def _saved_and_copied(rank, ws):
     import io
     import torch
     import pynccl
-    from pynccl.ddp.embedding_rows import _TorchForward
+    import functools
     ours = pynccl.DistributedDataParallel(_hf_gpt2(), tied_embedding_rows=True)
+    rows = ours.reducer.tied_rows
     idx, tgt = _batches(rank)[0]
-    buf = io.BytesIO()
-    torch.save(ours.module, buf)
-    buf.seek(0)
-    for other in (torch.load(buf, weights_only=False), copy.deepcopy(ours.module)):
+    assert "forward" not in vars(ours.module.transformer.wte)      # installed only inside DDP's forward
+    copies = []
+    for inside in (False, True):                                   # saved and copied outside and inside it
+        with rows.forward_window(inside):
+            assert ("forward" in vars(ours.module.transformer.wte)) == inside
+            with torch.no_grad():                                  # torch's parameter name works too
+                assert torch.equal(ours.module.transformer.wte(input=idx), ours.module.transformer.wte(idx))
+            buf = io.BytesIO()
+            torch.save(ours.module, buf)
+            buf.seek(0)
+            copies += [(inside, torch.load(buf, weights_only=False)), (inside, copy.deepcopy(ours.module))]
+    assert "forward" not in vars(ours.module.transformer.wte)
+    for inside, other in copies:
         wte = other.transformer.wte
-        assert isinstance(vars(wte)["forward"], _TorchForward) and wte.forward.emb is wte
+        if inside:                     # torch's own forward bound to the copy: loads without pynccl
+            assert isinstance(vars(wte)["forward"], functools.partial) and wte.forward.args == (wte,)
+        else:
+            assert "forward" not in vars(wte)
         assert torch.equal(wte(idx), torch.nn.functional.embedding(idx, wte.weight))
         other(input_ids=idx, labels=tgt).loss.backward()           # trains as a plain model
         assert other.transformer.wte.weight.grad is not None

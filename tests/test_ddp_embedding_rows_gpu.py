@@ -1,7 +1,7 @@
 """DistributedDataParallel(tied_embedding_rows=True) on NCCL (issue 26): the tied LM of
 test_ddp_embedding_rows.py on CUDA, against torch DDP on torch's own NCCL group, with every
-comm_path, with gradient bucket views, and with the constructor's defaults (which turn both on over
-NCCL), each with SGD (linear in the gradient: a lost rank's
+comm_path, with gradient copies and bucket views (the default; zeroed in place and set to None),
+each with SGD (linear in the gradient: a lost rank's
 rows or a missed 1/N moves parameters by a step's worth) and AdamW. The count exchange in forward
 goes through pinned memory and an event, the rows' all-gathers through pynccl's stream: a stream
 ordering bug would read counts or rows before they are written and fail these comparisons.
@@ -27,15 +27,14 @@ def _against_torch(rank, ws):
     rtol = _grad_rtol(ws, BATCH * SEQ)
     failures = []
     rows = dict(tied_embedding_rows=True)
-    # NOTE: the last, {}: the constructor's defaults (pynccl/ddp/defaults.py: rows on over NCCL, bucket
-    # views), zeroed with set_to_none=True as nanoGPT's train.py does.
-    for kw in (dict(rows, comm_path="default"), dict(rows, comm_path="symmetric"), dict(rows, comm_path="copy_engine"),
-               dict(rows, gradient_as_bucket_view=True), {}):
+    # NOTE: the last: bucket views (the default) zeroed with set_to_none=True, as nanoGPT's train.py does.
+    for kw in (dict(rows, comm_path="default", gradient_as_bucket_view=False),
+               dict(rows, comm_path="symmetric", gradient_as_bucket_view=False),
+               dict(rows, comm_path="copy_engine", gradient_as_bucket_view=False),
+               dict(rows, gradient_as_bucket_view=True), rows):
         for opt in ("plain-sgd", "adamw"):
             ours = pynccl.DistributedDataParallel(_model().to(device), bucket_cap_mb=0.001, **kw)
             assert ours.reducer.tied_rows is not None
-            if not kw:
-                assert ours.gradient_as_bucket_view and not ours.reducer.tied_rows.explicit
             ref = torch.nn.parallel.DistributedDataParallel(_model().to(device), process_group=torch_pg,
                                                             bucket_cap_mb=0.001)
             make = (lambda ps: torch.optim.SGD(ps, lr=0.1)) if opt == "plain-sgd" else \
@@ -44,7 +43,7 @@ def _against_torch(rank, ws):
             scale = {}
             for idx, tgt in data:
                 for m, o in ((ours, o_ours), (ref, o_ref)):
-                    o.zero_grad(set_to_none=not kw.get("gradient_as_bucket_view"))     # {}: True
+                    o.zero_grad(set_to_none=kw.get("gradient_as_bucket_view") is not True)
                     m(idx, tgt).backward()
                 assert ours.reducer.tied_rows.last_exchange == "rows"
                 record_grad_scale(ref.module.parameters(), scale)

@@ -83,6 +83,8 @@ LEVERS = {lv.name: lv for lv in [
           ddp_kwargs=dict(comm_path="copy_engine", gradient_as_bucket_view=True), overlap_optimizer=True),
     Lever("copies+plain-tied", "the defaults before session 12: gradient_as_bucket_view=False, "
           "tied_embedding_rows=False", ddp_kwargs=dict(gradient_as_bucket_view=False, tied_embedding_rows=False)),
+    Lever("views+plain-tied", "the defaults since session 12: gradient_as_bucket_view=True, tied_embedding_rows=False",
+          ddp_kwargs=dict(gradient_as_bucket_view=True, tied_embedding_rows=False)),
     Lever("unpack-early-tail4", "unpack-early, and the last bucket's pack / all-reduce / unpack pipelined over 4 "
           "slices (its unpack overlaps its all-reduce)", unpack_early=True, tail_chunks=4),
 ]}

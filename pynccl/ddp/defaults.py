@@ -7,13 +7,15 @@ gradient_as_bucket_view=None -> True: each parameter's .grad is a view into its 
   of backward, exposed). Bit-identical results; torch's own default is False. Pass False for
   torch's behaviour (a .grad of its own per parameter); PYNCCL_DDP_GRADIENT_AS_BUCKET_VIEW=0|1
   decides where the constructor leaves it None.
-tied_embedding_rows=None -> on where the group communicates over NCCL and the model has a tied
-  embedding (embedding_rows.py): the head's part of the tied weight's gradient is all-reduced
-  during backward, the lookup's part exchanged as rows at its end. The same sums in another fp32
-  order. Chosen on, it steps aside instead of refusing: join(), overlap_optimizer(), a comm hook
-  other than pynccl's built-in ones or a gradient hook on the tied weight turn it off for the
-  model. PYNCCL_DDP_TIED_EMBEDDING_ROWS=0 turns it off, =1 on for any backend (still stepping
-  aside); tied_embedding_rows=True asks for it outright (those calls then raise).
+tied_embedding_rows=None -> off: opt-in, not a default, though it measured fastest (with it, DDP's
+  cost over the floor is 0.33-0.50 x torch DDP's on 2 and 4 H100s, RESULTS), because it is not
+  exact everywhere torch DDP is: backward(inputs=...) and autograd.grad miss the lookup's part, a
+  step whose loss skips the LM head loses it, a collective in each synced forward needs the same
+  number of synced forwards on every rank, and non-reentrant checkpointing around the embedding
+  fails (embedding_rows.py; session 12's review). PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns it on for
+  models that have a tied embedding, stepping aside (off for the model) instead of refusing where
+  join(), overlap_optimizer(), another comm hook, a gradient hook on the tied weight or a CUDA
+  graph capture need the plain path; tied_embedding_rows=True asks for it outright (those raise).
 """
 from __future__ import annotations
 
@@ -45,13 +47,12 @@ def gradient_as_bucket_view(requested: Optional[bool]) -> bool:
     return requested
 
 
-def tied_embedding_rows(requested: Optional[bool], module: nn.Module,
-                        backend_name: str) -> Tuple[List[nn.Embedding], bool]:
+def tied_embedding_rows(requested: Optional[bool], module: nn.Module) -> Tuple[List[nn.Embedding], bool]:
     """(the embeddings to handle, whether they were asked for outright). An empty list: off."""
     if requested is not None and not isinstance(requested, bool):
         raise TypeError(f"DistributedDataParallel: tied_embedding_rows must be a bool or None, got {requested!r}")
     if requested is not None:
         return (tied_embeddings(module) if requested else []), requested
     env = _env_switch(TIED_ROWS_ENV)
-    on = env if env is not None else backend_name == "nccl"
+    on = bool(env)
     return (tied_embeddings(module) if on else []), False

@@ -1,5 +1,5 @@
-"""Issue 26, `DistributedDataParallel(..., tied_embedding_rows=None|True)` (on by default over NCCL,
-defaults.py): the lookup part of a tied embedding's gradient crosses the wire as the rows this
+"""Issue 26, opt-in `DistributedDataParallel(..., tied_embedding_rows=True)` (or
+PYNCCL_DDP_TIED_EMBEDDING_ROWS=1; defaults.py says why not a default): the lookup part of a tied embedding's gradient crosses the wire as the rows this
 rank's tokens touched.
 
 In GPT-2 and nanoGPT the token embedding's weight is also the LM head's. Its gradient is the sum
@@ -27,21 +27,24 @@ where N x the largest count exceeds the vocabulary (the gathered rows would outw
 gradient, on the wire and in memory), that lookup's dense gradient is all-reduced at the end
 instead, as torch's tail, decided alike on every rank from the all-gathered counts.
 
-Where it applies: an nn.Embedding (no max_norm, not sparse, no scale_grad_by_freq, its weight a
+Where it applies: an nn.Embedding with torch's own forward (no subclass forward, no max_norm, not sparse, no scale_grad_by_freq, its weight a
 registered parameter) whose weight is also registered by a module that is not such an embedding
 (the head). An untied embedding keeps the default path (its weight would get no gradient through
-autograd at all). Torch's lookup runs under torch.compile, in no_sync(), without grad, outside
-DDP's own forward (a direct call of ddp.module) and in deep copies of the module or the module
-pickled whole (torch.save) and loaded. Refused where
-asked for outright (turned off where it is the default): a comm hook other than the built-in
-ones, overlap_optimizer (it would step the weight before the rows arrive), join(), a gradient hook
-on the tied weight, a forward captured in a CUDA graph. Refused always: a second backward through a lookup, ids modified in place
-before the end of backward. Not covered (documented in docs/training.md):
-torch.autograd.grad of the tied weight gets the head's part only.
+autograd at all). The replaced forward is installed only while DDP's own synced forward runs:
+torch's lookup runs under torch.compile, in no_sync(), without grad, in a direct call of
+ddp.module, and a deep copy or pickled module keeps nothing of this path. Refused where asked for
+outright (turned off where the environment asked): a comm hook other than the built-in ones,
+overlap_optimizer (it would step the weight before the rows arrive), join(), a gradient hook on
+the tied weight, a forward captured in a CUDA graph. Refused always: a second backward through a
+lookup, ids modified in place before the end of backward. Not covered (documented in
+docs/training.md): torch.autograd.grad or backward(inputs=...) of the tied weight (the head's part
+only), a step whose loss skips the head (needs find_unused_parameters=True), non-reentrant
+checkpointing around the embedding (its recompute looks up as torch does).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import List, Optional
 
@@ -55,7 +58,10 @@ from ..comm.reduce_op import ReduceOp
 def tied_embeddings(module: nn.Module) -> List[nn.Embedding]:
     """The embeddings of `module` that this path handles (see the module docstring)."""
     # NOTE: a parametrized weight (weight_norm, LoRA) is computed, not a registered parameter: left alone.
-    candidates = [m for m in module.modules() if isinstance(m, nn.Embedding) and m.max_norm is None
+    # NOTE: only torch's own lookup: a subclass with a forward of its own (HF Gemma's scaled embedding) is
+    # left alone, since the rows path computes F.embedding.
+    candidates = [m for m in module.modules() if isinstance(m, nn.Embedding) and type(m).forward is nn.Embedding.forward
+                  and m.max_norm is None
                   and not m.sparse and not m.scale_grad_by_freq and m._parameters.get("weight") is not None
                   and m._parameters["weight"].requires_grad]
     handled = {id(m) for m in candidates}
@@ -86,36 +92,27 @@ class _RowsLookup(torch.autograd.Function):
 
 
 class _RowsForward:
-    """An embedding's `forward` (an instance attribute) while the rows path is installed on it.
-    Copied or pickled (copy.deepcopy for an EMA model, torch.save of the whole module) it becomes
-    _TorchForward: a copy is not one of this DDP's embeddings and looks up as torch does."""
+    """An embedding's `forward` (an instance attribute) only while DDP's own synced forward runs
+    (forward_window installs and removes it): outside it, in a direct call of ddp.module, a deep
+    copy or a pickled module, the embedding is torch's. Copied or pickled while installed, it
+    becomes torch's own forward bound to the copy (functools.partial: loads without pynccl)."""
 
     def __init__(self, emb: nn.Embedding, rows: "TiedEmbeddingRows"):
-        self.emb = emb                        # NOTE: a cycle through emb.__dict__, collected with the model
+        self.emb = emb
         self.rows = weakref.ref(rows)
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:      # NOTE: nn.Embedding.forward's parameter name
         emb = self.emb
         # NOTE: is_compiling first: dynamo then traces torch's lookup and nothing else here.
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-            return F.embedding(ids, emb.weight, emb.padding_idx)
+            return F.embedding(input, emb.weight, emb.padding_idx)
         rows = self.rows()
-        if rows is None or not rows.in_forward:
-            return F.embedding(ids, emb.weight, emb.padding_idx)
-        return rows._lookup(emb, ids)
+        if rows is None:
+            return F.embedding(input, emb.weight, emb.padding_idx)
+        return rows._lookup(emb, input)
 
     def __reduce__(self):
-        return _TorchForward, (self.emb,)
-
-
-class _TorchForward:
-    """What a copied or unpickled embedding keeps of _RowsForward: torch's own lookup."""
-
-    def __init__(self, emb: nn.Embedding):
-        self.emb = emb
-
-    def __call__(self, *args, **kwargs) -> torch.Tensor:
-        return nn.Embedding.forward(self.emb, *args, **kwargs)
+        return functools.partial, (nn.Embedding.forward, self.emb)
 
 
 def _capturing() -> bool:
@@ -154,10 +151,7 @@ class TiedEmbeddingRows:
         self.embeddings = embeddings
         self.lookups: List[_Lookup] = []
         self.anchor = torch.zeros((), device=ddp.device, requires_grad=True)
-        self.in_forward = False               # DDP's own synced forward is running (forward_window)
         self.last_exchange = None             # "rows" or "dense": how the last lookup's gradient crossed
-        for emb in embeddings:
-            emb.forward = _RowsForward(emb, self)
 
     def remove(self) -> None:
         """Back to torch's lookup for good (a feature that needs the plain path, when this path was
@@ -165,20 +159,25 @@ class TiedEmbeddingRows:
         if self.lookups:
             raise RuntimeError("DistributedDataParallel: cannot turn tied_embedding_rows off between a forward and "
                                "its backward; do it before the step")
-        for emb in self.embeddings:
-            if isinstance(emb.__dict__.get("forward"), _RowsForward):
-                del emb.forward
+        self._uninstall()
         self.reducer.tied_rows = None
 
     @contextlib.contextmanager
     def forward_window(self, sync: bool):
         """Around DDP's call of its module: lookups take the rows path only inside a synced one
         (a direct call of ddp.module reduces nothing and looks up as torch does)."""
-        self.in_forward = sync
+        if sync:
+            for emb in self.embeddings:
+                emb.forward = _RowsForward(emb, self)
         try:
             yield
         finally:
-            self.in_forward = False
+            self._uninstall()
+
+    def _uninstall(self) -> None:
+        for emb in self.embeddings:
+            if isinstance(emb.__dict__.get("forward"), _RowsForward):
+                del emb.forward
 
     def _lookup(self, emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         why = None

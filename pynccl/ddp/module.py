@@ -103,11 +103,11 @@ class DistributedDataParallel(nn.Module):
     (comm_path.py); `reducer.comm_path` says what is in use and why.
     gradient_as_bucket_view: None (default) is True, measured faster (defaults.py); False is
     torch's behaviour.
-    tied_embedding_rows (pynccl's own, keyword only): a tied embedding's lookup gradient is
+    tied_embedding_rows (pynccl's own, keyword only, opt-in): a tied embedding's lookup gradient is
     exchanged as the rows its tokens touched, apart from the head's part (embedding_rows.py);
-    None (default): on over NCCL for models that have one, stepping aside where a feature needs
-    the plain path (defaults.py; PYNCCL_DDP_TIED_EMBEDDING_ROWS=0|1 overrides); True: on, and
-    such features raise; False: off.
+    None (default): off, unless PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 (then on for models that have
+    one, stepping aside where a feature needs the plain path; defaults.py); True: on, and such
+    features raise; False: off.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
@@ -162,7 +162,7 @@ class DistributedDataParallel(nn.Module):
         self._join = None                    # the active join() context (join.py), if any
         self.reducer = Reducer(named_params, group, self.bucket_bytes_cap, find_unused_parameters,
                                gradient_as_bucket_view, static_graph, comm_paths.resolve(comm_path))
-        embeddings, explicit = defaults.tied_embedding_rows(tied_embedding_rows, module, group.backend_name)
+        embeddings, explicit = defaults.tied_embedding_rows(tied_embedding_rows, module)
         if embeddings or explicit:          # explicit and none found: TiedEmbeddingRows raises
             self.reducer.tied_rows = TiedEmbeddingRows(self, embeddings, explicit)
 
