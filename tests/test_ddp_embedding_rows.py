@@ -497,3 +497,41 @@ def _compiled_inside(rank, ws):
 
 def test_compiled_model_inside_looks_up_as_torch():
     _run(_compiled_inside)
+
+
+def _checkpointed_lookup(rank, ws):
+    """Non-reentrant activation checkpointing around the embedding (torch's recommended mode): the
+    recompute runs in backward, outside DDP's forward, so the lookup takes torch's path in the
+    forward too (else the recomputed tensors differ: CheckpointError); equal to torch DDP."""
+    import torch
+    import torch.distributed as tdist
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+    import pynccl
+    from numerics import assert_within
+
+    def build():
+        model = _model()
+
+        def trunk(idx):
+            h = model.wte(idx) + model.wpe(torch.arange(idx.shape[1]))
+            return h + model.block(h)
+
+        def forward(idx, targets):
+            h = checkpoint(trunk, idx, use_reentrant=False)
+            return nn.functional.cross_entropy(model.lm_head(h).flatten(0, 1), targets.flatten())
+        model.forward = forward
+        return model
+    ours = pynccl.DistributedDataParallel(build(), tied_embedding_rows=True)
+    ref = torch.nn.parallel.DistributedDataParallel(build(), process_group=tdist.group.WORLD)
+    for idx, tgt in _batches(rank, n=2):
+        for m in (ours, ref):
+            m.zero_grad(set_to_none=True)
+            m(idx, tgt).backward()
+        assert ours.reducer.tied_rows.last_exchange is None and ours.reducer.tied_rows.lookups == []
+        for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+            assert_within(p.grad, q.grad, _grad_rtol(ws, BATCH * SEQ) * q.grad.abs().max().item(), name)
+
+
+def test_checkpointed_lookup_takes_torchs_path():
+    _run(_checkpointed_lookup)

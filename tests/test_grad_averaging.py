@@ -71,7 +71,7 @@ def _train(wrapped, rank, ws, full_state, first_grads, what):
 
 def check_paths(rank, ws):
     first_grads, states = _reference(ws)
-    ddp_configs = [dict(), dict(gradient_as_bucket_view=True)]
+    ddp_configs = [dict(gradient_as_bucket_view=False), dict()]      # copies (torch's default), views (pynccl's)
     for kw in ddp_configs:
         ddp = pynccl.DistributedDataParallel(_model(), bucket_cap_mb=0.0004, **kw)  # ~400 B: several buckets
         assert len(ddp.reducer.bucketer.buckets) >= 3, ddp.reducer.bucketer.buckets

@@ -4,18 +4,19 @@ benchmarks/ddp_bench.py's lever windows (benchmarks/RESULTS.md, "DDP").
 
 gradient_as_bucket_view=None -> True: each parameter's .grad is a view into its bucket, so no
   pack into the bucket before the all-reduce and no unpack after it (the unpack sits at the end
-  of backward, exposed). Bit-identical results; torch's own default is False. Pass False for
-  torch's behaviour (a .grad of its own per parameter); PYNCCL_DDP_GRADIENT_AS_BUCKET_VIEW=0|1
-  decides where the constructor leaves it None.
+  of backward, exposed). Bit-identical results; torch's own default is False. As in torch with
+  the flag, .grad is the same tensor every step (a reference kept from the last step is
+  overwritten). Pass False for torch's behaviour (a .grad of its own per parameter);
+  PYNCCL_DDP_GRADIENT_AS_BUCKET_VIEW=0|1 decides where the constructor leaves it None.
 tied_embedding_rows=None -> off: opt-in, not a default, though it measured fastest (with it, DDP's
   cost over the floor is 0.33-0.50 x torch DDP's on 2 and 4 H100s, RESULTS), because it is not
   exact everywhere torch DDP is: backward(inputs=...) and autograd.grad miss the lookup's part, a
   step whose loss skips the LM head loses it, a collective in each synced forward needs the same
-  number of synced forwards on every rank, and non-reentrant checkpointing around the embedding
-  fails (embedding_rows.py; session 12's review). PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns it on for
-  models that have a tied embedding, stepping aside (off for the model) instead of refusing where
-  join(), overlap_optimizer(), another comm hook, a gradient hook on the tied weight or a CUDA
-  graph capture need the plain path; tied_embedding_rows=True asks for it outright (those raise).
+  number of synced forwards on every rank (embedding_rows.py; session 12's review).
+  PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns it on for models that have a tied embedding, stepping
+  aside (off for the model) instead of refusing where join(), overlap_optimizer(), another comm
+  hook, a gradient hook on the tied weight or a CUDA graph capture need the plain path;
+  tied_embedding_rows=True asks for it outright (those raise).
 """
 from __future__ import annotations
 

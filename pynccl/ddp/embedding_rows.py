@@ -38,8 +38,9 @@ overlap_optimizer (it would step the weight before the rows arrive), join(), a g
 the tied weight, a forward captured in a CUDA graph. Refused always: a second backward through a
 lookup, ids modified in place before the end of backward. Not covered (documented in
 docs/training.md): torch.autograd.grad or backward(inputs=...) of the tied weight (the head's part
-only), a step whose loss skips the head (needs find_unused_parameters=True), non-reentrant
-checkpointing around the embedding (its recompute looks up as torch does).
+only), a step whose loss skips the head (needs find_unused_parameters=True). Activation
+checkpointing around the lookup (saved-tensor hooks active) takes torch's lookup, as its recompute
+in backward does.
 """
 from __future__ import annotations
 
@@ -106,6 +107,10 @@ class _RowsForward:
         # NOTE: is_compiling first: dynamo then traces torch's lookup and nothing else here.
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return F.embedding(input, emb.weight, emb.padding_idx)
+        if _saved_tensor_hooks_active():
+            # NOTE: non-reentrant activation checkpointing (or offloading) around the lookup: its recompute
+            # runs in backward, outside DDP's forward, with torch's lookup, so the forward must match it.
+            return F.embedding(input, emb.weight, emb.padding_idx)
         rows = self.rows()
         if rows is None:
             return F.embedding(input, emb.weight, emb.padding_idx)
@@ -113,6 +118,11 @@ class _RowsForward:
 
     def __reduce__(self):
         return functools.partial, (nn.Embedding.forward, self.emb)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
 
 
 def _capturing() -> bool:

@@ -101,8 +101,9 @@ class DistributedDataParallel(nn.Module):
     comm_path (pynccl's own, keyword only): how the buckets are all-reduced on NCCL: "auto"
     (default; PYNCCL_DDP_COMM_PATH overrides), "default", "symmetric" or "copy_engine"
     (comm_path.py); `reducer.comm_path` says what is in use and why.
-    gradient_as_bucket_view: None (default) is True, measured faster (defaults.py); False is
-    torch's behaviour.
+    gradient_as_bucket_view: None (default) is True, measured faster (defaults.py): each .grad is
+    its bucket's view, the same tensor every step, as in torch with the flag; False is torch's
+    default behaviour.
     tied_embedding_rows (pynccl's own, keyword only, opt-in): a tied embedding's lookup gradient is
     exchanged as the rows its tokens touched, apart from the head's part (embedding_rows.py);
     None (default): off, unless PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 (then on for models that have
