@@ -486,10 +486,12 @@ def _compiled_inside(rank, ws):
     ours = pynccl.DistributedDataParallel(torch.compile(_model(), backend="eager"), tied_embedding_rows=True)
     ref = torch.nn.parallel.DistributedDataParallel(torch.compile(_model(), backend="eager"),
                                                     process_group=tdist.group.WORLD)
-    for idx, tgt in _batches(rank, n=2):
-        for m in (ours, ref):
-            m.zero_grad(set_to_none=True)
-            m(idx, tgt).backward()
+    for step, (idx, tgt) in enumerate(_batches(rank, n=3)):
+        # NOTE: after the first step nothing may recompile (each DDP forward installs the same forward object)
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            for m in (ours, ref):
+                m.zero_grad(set_to_none=True)
+                m(idx, tgt).backward()
         assert ours.reducer.tied_rows.last_exchange is None
         for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
             assert_within(p.grad, q.grad, _grad_rtol(ws, BATCH * SEQ) * q.grad.abs().max().item(), name)

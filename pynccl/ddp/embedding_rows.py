@@ -162,10 +162,13 @@ class TiedEmbeddingRows:
         self.lookups: List[_Lookup] = []
         self.anchor = torch.zeros((), device=ddp.device, requires_grad=True)
         self.last_exchange = None             # "rows" or "dense": how the last lookup's gradient crossed
+        # NOTE: made once: the same objects at every install, so a model compiled inside DDP (nanoGPT's
+        # order) does not see a new `forward` each step (dynamo would recompile).
+        self._forwards = [_RowsForward(emb, self) for emb in embeddings]
 
     def remove(self) -> None:
-        """Back to torch's lookup for good (a feature that needs the plain path, when this path was
-        the default). Only between steps: no lookup of this one may still wait for its rows."""
+        """Back to torch's lookup for good (a feature that needs the plain path, where the environment
+        variable turned this path on). Only between steps: no lookup of this one may still wait for its rows."""
         if self.lookups:
             raise RuntimeError("DistributedDataParallel: cannot turn tied_embedding_rows off between a forward and "
                                "its backward; do it before the step")
@@ -177,8 +180,8 @@ class TiedEmbeddingRows:
         """Around DDP's call of its module: lookups take the rows path only inside a synced one
         (a direct call of ddp.module reduces nothing and looks up as torch does)."""
         if sync:
-            for emb in self.embeddings:
-                emb.forward = _RowsForward(emb, self)
+            for emb, forward in zip(self.embeddings, self._forwards):
+                emb.forward = forward
         try:
             yield
         finally:
