@@ -228,12 +228,11 @@ def summarise(rows, settings: dict, args) -> list:
             problems.append(f"{r['variant']}: the processes did not exit cleanly ({r['exit_error']})")
         timed = r.get("timed") or r["ms"][args.skip:] or r["ms"]
         r["median_ms"] = statistics.median(timed)
-        r["tokens_per_s_gpu"] = tokens_iter / (r["median_ms"] / 1e3) / args.nproc
+        # NOTE: the floor is one GPU running gradient_accumulation_steps=1: one micro-batch per iteration.
+        gpu_share = int(settings["gradient_accumulation_steps"]) if r is floor else args.nproc
+        r["tokens_per_s_gpu"] = tokens_iter / gpu_share / (r["median_ms"] / 1e3)
         r["mfu"] = mfu.mfu(flops, r["tokens_per_s_gpu"], peak)
         if r is floor:
-            # NOTE: one GPU's share of the step: its tokens per second per GPU are the whole step's.
-            r["tokens_per_s_gpu"] *= args.nproc / int(settings["gradient_accumulation_steps"])
-            r["mfu"] = mfu.mfu(flops, r["tokens_per_s_gpu"], peak)
             continue
         if ref is not None and r is not ref:
             n = min(len(r["losses"]), len(ref["losses"]))

@@ -52,8 +52,5 @@ def tied_embedding_rows(requested: Optional[bool], module: nn.Module) -> Tuple[L
     """(the embeddings to handle, whether they were asked for outright). An empty list: off."""
     if requested is not None and not isinstance(requested, bool):
         raise TypeError(f"DistributedDataParallel: tied_embedding_rows must be a bool or None, got {requested!r}")
-    if requested is not None:
-        return (tied_embeddings(module) if requested else []), requested
-    env = _env_switch(TIED_ROWS_ENV)
-    on = bool(env)
-    return (tied_embeddings(module) if on else []), False
+    on = requested if requested is not None else bool(_env_switch(TIED_ROWS_ENV))
+    return (tied_embeddings(module) if on else []), requested is True

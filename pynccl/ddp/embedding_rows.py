@@ -201,7 +201,7 @@ class TiedEmbeddingRows:
             why = ("a CUDA graph is being captured, and the exchange reads the token counts on the host. Pass "
                    "tied_embedding_rows=False for a captured step")
         if why is not None:
-            if not self.explicit and not self.lookups:       # the default: step aside (defaults.py)
+            if not self.explicit and not self.lookups:       # turned on by the environment: step aside
                 self.remove()
                 return F.embedding(ids, emb.weight, emb.padding_idx)
             raise RuntimeError(f"DistributedDataParallel(tied_embedding_rows=True): {why}")

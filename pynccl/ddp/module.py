@@ -167,14 +167,14 @@ class DistributedDataParallel(nn.Module):
         if embeddings or explicit:          # explicit and none found: TiedEmbeddingRows raises
             self.reducer.tied_rows = TiedEmbeddingRows(self, embeddings, explicit)
 
-    def _tied_rows_refuse_or_drop(self, what: str, why: str) -> None:
-        """`what` needs the plain path for the tied weight: asked for outright, refuse; chosen by
-        default, step aside (defaults.py)."""
+    def _tied_rows_refuse_or_drop(self, what: str, why: str, error=RuntimeError) -> None:
+        """`what` needs the plain path for the tied weight: asked for outright, refuse; turned on by
+        the environment, step aside (defaults.py)."""
         rows = self.reducer.tied_rows
         if rows is None:
             return
         if rows.explicit:
-            raise RuntimeError(f"{what}: not supported with tied_embedding_rows=True ({why})")
+            raise error(f"{what}: not supported with tied_embedding_rows=True ({why})")
         rows.remove()
 
     @staticmethod
@@ -286,14 +286,12 @@ class DistributedDataParallel(nn.Module):
         """hook(state, GradBucket) -> object whose wait() returns the reduced flat gradient;
         torch's semantics: the bucket is not divided by world size, the hook averages (torch's own
         hooks run unchanged; see hooks.py). Once, before training."""
-        if hook not in comm_hooks.BUILTIN_HOOKS or resolve_group(state) is not self.process_group:
-            try:
-                self._tied_rows_refuse_or_drop("register_comm_hook", "only pynccl's built-in hooks over the DDP "
-                                               "group itself (state None or that group) are supported: the "
-                                               "embedding rows are averaged over that group, as the built-in "
-                                               "hooks average the buckets")
-            except RuntimeError as e:
-                raise ValueError(str(e)) from None
+        if self.reducer.tied_rows is not None and (hook not in comm_hooks.BUILTIN_HOOKS or
+                                                   resolve_group(state) is not self.process_group):
+            self._tied_rows_refuse_or_drop("register_comm_hook", "only pynccl's built-in hooks over the DDP group "
+                                           "itself (state None or that group) are supported: the embedding rows are "
+                                           "averaged over that group, as the built-in hooks average the buckets",
+                                           error=ValueError)
         self.reducer.register_comm_hook(state, hook)
 
 
