@@ -142,12 +142,13 @@ def _against_torch_ddp(rank, ws):
 
     # (DDP kwargs, slow backward, delayed Python hook). Without a hook of its own a bucket runs
     # as one C++ reduce_bucket call; the delayed hook takes the Python path with the same streams.
-    view = dict(gradient_as_bucket_view=True)
-    cases = ((dict(), False, False), (view, False, False), (dict(), True, False), (view, True, False),
+    # NOTE: copies named (pynccl's default is views); the unnamed find_unused / static_graph cases run views.
+    view, copies = dict(gradient_as_bucket_view=True), dict(gradient_as_bucket_view=False)
+    cases = ((copies, False, False), (view, False, False), (copies, True, False), (view, True, False),
              (dict(find_unused_parameters=True), True, False), (dict(static_graph=True), True, False),
-             (dict(), True, True), (view, True, True))
+             (copies, True, True), (view, True, True))
     for kw, slow, delayed_hook in cases:
-        set_to_none = "gradient_as_bucket_view" not in kw   # bucket views are meant for set_to_none=False
+        set_to_none = kw.get("gradient_as_bucket_view") is not True    # explicit views: zeroed in place
         name = f"{kw}{' slow backward' if slow else ''}{' delayed Python hook' if delayed_hook else ' one C++ call'}"
 
         def setup(d, delayed_hook=delayed_hook):
