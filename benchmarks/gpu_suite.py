@@ -28,7 +28,6 @@ L1B = "--model hf-llama --hidden 2048 --layers 16 --heads 32 --kv-heads 8 --inte
 L3B = "--model hf-llama --hidden 3072 --layers 28 --heads 24 --kv-heads 8 --intermediate 8192 --vocab 32000 --seq 2048"
 GPT2M = "--model hf-gpt2 --hidden 1024 --layers 24 --heads 16 --vocab 50257 --seq 1024"
 NOGRAPH = '--skip "no DDP + graph" "pynccl DDP + graph"'
-ROWS_ON = "PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 "     # the opt-in tied embedding rows for a default-built pynccl DDP
 TESTS = "python3 -m pytest -q -rA -p no:cacheprovider"
 SUMMARY = re.compile(r"^(# |strategy|zero|pp-|ddp|tp|mode|no DDP|torch DDP|pynccl DDP|\s*\d+(\.\d+)? |FAILED|ERROR|"
                      r"XFAIL|\{|[=]+ .*(passed|failed))|passed|failed|Error")
@@ -102,19 +101,19 @@ def groups(n):
                                               f"--repeats 2 --warmup 2 --no-diagnostics {NOGRAPH} --levers comm-default "
                                               f"comm-copy-engine overlap-optimizer bf16-wire "
                                               f"--json {{out}}/ddp_medium.json"))],
-        # Issue 26, session 12: bucket views (the default) + the tied embedding's tail as rows (opt-in;
-        # PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns it on for ddp_bench's default-constructed pynccl DDP)
-        # against the defaults before and since session 12 and the copy engine; nanoGPT's own train.py
-        # against its one-GPU floor (compiled, then eager).
+        # Issue 26: the defaults since session 13 (bucket views + the tied embedding's tail: head part
+        # first, the lookups' rows at the end + the copy engine) against session 12's defaults, the
+        # same without the tied tail, and with symmetric buckets; nanoGPT's own train.py against its
+        # one-GPU floor (compiled, then eager).
         "ddpdefaults": [("ddpdefaults_tests", 150, f"{tests} tests/test_ddp_embedding_rows_gpu.py tests/test_ddp_gpu.py"),
-                        ("ddpdefaults_nano", 150, ROWS_ON + _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m "
+                        ("ddpdefaults_nano", 150, _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m "
                                                             "--steps 8 --repeats 3 --warmup 3 --no-diagnostics --levers "
-                                                            "copies+plain-tied views+plain-tied comm-copy-engine "
+                                                            "views+plain-tied views+plain-tied+copy-engine comm-symmetric "
                                                             "--json {out}/ddpdefaults_nano.json")),
-                        ("ddpdefaults_medium", 200, ROWS_ON + _torchrun(n, "benchmarks/ddp_bench.py", f"--model "
+                        ("ddpdefaults_medium", 200, _torchrun(n, "benchmarks/ddp_bench.py", f"--model "
                                                               f"hf-gpt2-medium --steps 5 --repeats 2 --warmup 2 "
-                                                              f"--no-diagnostics {NOGRAPH} --levers copies+plain-tied "
-                                                              f"views+plain-tied comm-copy-engine "
+                                                              f"--no-diagnostics {NOGRAPH} --levers views+plain-tied "
+                                                              f"views+plain-tied+copy-engine comm-symmetric "
                                                               f"--json {{out}}/ddpdefaults_medium.json")),
                         ("ddpdefaults_trainpy", 240, f"python3 benchmarks/nanogpt_swap.py --nproc {n} --variants "
                                                      "floor,torch-ddp,pynccl-ddp --set max_iters=40 --timeout 75 "

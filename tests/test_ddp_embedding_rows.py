@@ -1,11 +1,12 @@
-"""Issue 26, DistributedDataParallel(tied_embedding_rows=True): a tied embedding's lookup gradient
+"""Issue 26, DistributedDataParallel's tied_embedding_rows (on by default where a model has an LM
+head tied to an embedding): the head's part of the tied gradient all-reduced first, the rest
 exchanged as rows (pynccl/ddp/embedding_rows.py), against torch DDP on gloo in the same process.
 
 Tolerances (tests/numerics.py): both sides compute the same per-rank head and lookup gradients;
 only the order of the final sums differs. torch sums each rank's head part and lookup rows
-(embedding backward), then the ranks (all-reduce), then scales by 1/N; here the ranks' head parts
-are summed and scaled, then every rank's rows are added one by one. Each element is a sum of at
-most 1 + (ranks · tokens) terms in either order: chain_rtol(ranks · tokens + ranks + 1) of the
+(autograd), then the ranks (all-reduce), then scales by 1/N; here the ranks' head parts are
+summed and scaled, then every rank's rows are added one by one. Each element is a sum of at most
+1 + (ranks · tokens) terms in either order: chain_rtol(ranks · tokens + ranks + 1) of the
 tensor's largest gradient. A lost rank's rows, a missed 1/N, or rows added twice move an element
 by a whole row's worth, ~1/(tokens) of the gradient's scale at least: far above that.
 """
@@ -60,12 +61,14 @@ def _loss(model, idx, tgt, hf):
     return model(input_ids=idx, labels=tgt).loss if hf else model(idx, tgt)
 
 
-def _batches(rank, seq=SEQ, padding_idx=None, n=STEPS):
+def _batches(rank, seq=SEQ, padding_idx=None, n=STEPS, token_zero=False):
     import torch
     g = torch.Generator().manual_seed(100 + rank)
     out = []
     for _ in range(n):
         idx = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
+        if token_zero:
+            idx[0, 0] = 0                                # row 0 is also the exchange's padding id
         if padding_idx is not None:
             idx[:, -2:] = padding_idx                    # padded tails, as a packed batch has
         out.append((idx, torch.randint(0, VOCAB, (BATCH, seq), generator=g)))
@@ -78,7 +81,7 @@ def _grad_rtol(ws, tokens):
 
 
 def _both(rank, ws, *, opt="plain-sgd", accumulate=1, seq_of=None, padding_idx=None, grad_as_view=False,
-          check_grads=True, hf=False, exchange="rows"):
+          check_grads=True, hf=False, exchange="rows", set_to_none=None, token_zero=False, find_unused=False):
     """Trains pynccl DDP(tied_embedding_rows=True) and torch DDP side by side on the same batches;
     asserts the gradients after every backward and the parameters after every step."""
     import contextlib
@@ -89,20 +92,21 @@ def _both(rank, ws, *, opt="plain-sgd", accumulate=1, seq_of=None, padding_idx=N
 
     seq = seq_of(rank) if seq_of else SEQ
     build = _hf_gpt2 if hf else (lambda: _model(padding_idx))
-    ours = pynccl.DistributedDataParallel(build(), tied_embedding_rows=True,
+    ours = pynccl.DistributedDataParallel(build(), tied_embedding_rows=True, find_unused_parameters=find_unused,
                                           gradient_as_bucket_view=grad_as_view, bucket_cap_mb=0.001)
-    ref = torch.nn.parallel.DistributedDataParallel(build(), process_group=tdist.group.WORLD, bucket_cap_mb=0.001)
+    ref = torch.nn.parallel.DistributedDataParallel(build(), process_group=tdist.group.WORLD, bucket_cap_mb=0.001,
+                                                    find_unused_parameters=find_unused)
     tied = ours.module.transformer.wte.weight if hf else ours.module.wte.weight
-    assert ours.reducer.tied_rows is not None and ours.reducer.tied_rows.embeddings[0].weight is tied
+    assert ours.reducer.tied_rows is not None and ours.reducer.tied_rows.heads[0].weight is tied
     make = {"plain-sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
             "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)}[opt]
     o_ours, o_ref = make(ours.parameters()), make(ref.parameters())
     grad_scale = {}
     tokens = max((seq_of(r) if seq_of else SEQ) for r in range(ws)) * BATCH
     rtol = _grad_rtol(ws, tokens)
-    for step, (idx, tgt) in enumerate(_batches(rank, seq, padding_idx)):
+    for step, (idx, tgt) in enumerate(_batches(rank, seq, padding_idx, token_zero=token_zero)):
         for model, o in ((ours, o_ours), (ref, o_ref)):
-            o.zero_grad(set_to_none=not grad_as_view)
+            o.zero_grad(set_to_none=(not grad_as_view) if set_to_none is None else set_to_none)
             for i, (mi, mt) in enumerate(zip(idx.chunk(accumulate), tgt.chunk(accumulate))):
                 last = i == accumulate - 1
                 with contextlib.nullcontext() if last else model.no_sync():
@@ -139,9 +143,9 @@ def test_hugging_face_gpt2_equals_torch_ddp():
 
 
 def _from_environment(rank, ws, expect_on):
-    """The default (None) is off (opt-in, pynccl/ddp/defaults.py says why);
-    PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns it on, =0 off, only for models that have a tied
-    embedding (an untied one keeps the default, without an error). Bucket views are the default."""
+    """The default (None) is on (pynccl/ddp/defaults.py); PYNCCL_DDP_TIED_EMBEDDING_ROWS=0 turns it
+    off, =1 on, only for models that have a tied head (an untied one keeps the plain path, without
+    an error). Bucket views are the default."""
     from torch import nn
     import pynccl
     default = pynccl.DistributedDataParallel(_hf_gpt2())
@@ -155,7 +159,7 @@ def _from_environment(rank, ws, expect_on):
     assert pynccl.DistributedDataParallel(_hf_gpt2(), tied_embedding_rows=True).reducer.tied_rows.explicit
 
 
-@pytest.mark.parametrize("env,expect_on", [(None, False), ("1", True), ("0", False)])
+@pytest.mark.parametrize("env,expect_on", [(None, True), ("1", True), ("0", False)])
 def test_default_and_environment_variable(env, expect_on):
     run_multiprocess(_from_environment, 2, backend="gloo", timeout=300, kwargs=dict(expect_on=expect_on),
                      env={} if env is None else {"PYNCCL_DDP_TIED_EMBEDDING_ROWS": env})
@@ -181,9 +185,9 @@ def test_environment_values_and_bad_ones():
 @pytest.mark.numerics
 @pytest.mark.parametrize("opt", ["plain-sgd", "adamw"])
 def test_many_tokens_take_the_dense_fallback(opt):
-    """2 ranks x 48 tokens > VOCAB: the gathered rows would outweigh the dense gradient, so the
-    lookup's dense gradient is all-reduced at the end instead; still equal to torch DDP."""
-    _run(_both, opt=opt, seq_of=lambda r: 2 * SEQ, exchange="dense")
+    """3 ranks x ~36 distinct tokens of 48 > VOCAB: the gathered rows would outweigh the dense
+    gradient, so the rest is all-reduced densely at the end instead; still equal to torch DDP."""
+    _run(_both, ws=3, opt=opt, seq_of=lambda r: 2 * SEQ, exchange="dense")
 
 
 def _steps_aside(rank, ws, what):
@@ -221,7 +225,7 @@ def _steps_aside(rank, ws, what):
             for m in (ours, ref):
                 m(idx, tgt).backward()
     assert ours.reducer.tied_rows is None
-    assert type(ours.module.wte).forward is torch.nn.Embedding.forward and "forward" not in vars(ours.module.wte)
+    assert "forward" not in vars(ours.module.lm_head)
     for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
         assert_within(p.grad, q.grad, _grad_rtol(ws, BATCH * SEQ) * q.grad.abs().max().item(), f"{what}: {name}")
 
@@ -234,15 +238,31 @@ def test_the_default_steps_aside_for_features_that_need_the_plain_path(what):
 
 @pytest.mark.numerics
 def test_three_ranks_uneven_token_counts():
-    """Rank r feeds SEQ - r tokens per sequence: every rank's rows are padded to the largest count."""
-    _run(_both, ws=3, seq_of=lambda r: SEQ - r)
+    """Rank r feeds SEQ - r tokens per sequence: every rank's rows are padded to the largest count
+    (with id 0 and zero rows; token 0 is looked up, so a padding row with values would show)."""
+    _run(_both, ws=3, seq_of=lambda r: SEQ - r, token_zero=True)
 
 
 @pytest.mark.numerics
 def test_no_sync_accumulation_padding_idx_and_bucket_views():
-    """Micro-batches accumulated in no_sync() (plain lookups there: dense, local), the padding row
-    (no lookup gradient, the head's part only) and gradient_as_bucket_view=True."""
+    """Micro-batches accumulated in no_sync() (torch's path there: dense, local; it goes with the
+    head's part), the padding row (no lookup gradient) and gradient_as_bucket_view=True, zeroed in
+    place (.grad is the bucket's view; the rest accumulates apart)."""
     _run(_both, accumulate=2, padding_idx=0, grad_as_view=True)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("grad_as_view,set_to_none", [(False, False), (True, True)])
+def test_gradient_copies_kept_and_views_set_to_none(grad_as_view, set_to_none):
+    """The other two ways .grad meets a step: torch's copies zeroed in place (the diverted part
+    is added into .grad's own tensor) and bucket views set to None (nanoGPT's zero_grad)."""
+    _run(_both, grad_as_view=grad_as_view, set_to_none=set_to_none, accumulate=2)
+
+
+@pytest.mark.numerics
+def test_find_unused_parameters():
+    """HF Trainer's default for DDP: find_unused_parameters=True; the path stays on."""
+    _run(_both, find_unused=True, opt="adamw", hf=True)
 
 
 def _order_of_events(rank, ws, rows):
@@ -285,7 +305,7 @@ def _refusals(rank, ws):
     import pynccl
     from pynccl import comm_hooks
 
-    with pytest.raises(ValueError, match="no nn.Embedding whose weight another module"):
+    with pytest.raises(ValueError, match=r"no nn.Linear \(the LM head\) whose weight only nn.Embedding modules"):
         pynccl.DistributedDataParallel(nn.Sequential(nn.Embedding(4, 4), nn.Linear(4, 4)), tied_embedding_rows=True)
     model = pynccl.DistributedDataParallel(_model(), tied_embedding_rows=True)
     with pytest.raises(RuntimeError, match="overlap_optimizer: not supported with tied_embedding_rows"):
@@ -303,7 +323,7 @@ def test_refusals_name_what_is_supported():
 
 def _forward_without_backward(rank, ws):
     """A synced forward whose output never reaches a loss (an evaluation with grad on) before the
-    training step: its lookup goes with the next backward's exchange as zeros, on every rank."""
+    training step: its alias is dropped with its graph; the step equals torch DDP's."""
     import torch
     import torch.distributed as tdist
     import pynccl
@@ -344,98 +364,201 @@ def test_a_rank_with_no_tokens():
     _run(_zero_tokens_on_one_rank)
 
 
-def _uses_outside_ddp_backward(rank, ws):
-    """Where the rows path would give wrong gradients, it steps aside or raises, naming the cause."""
+def _torch_semantics(rank, ws):
+    """Where the gradient is needed outside DDP's reduction, the tied weight behaves as torch DDP's:
+    autograd.grad, backward(inputs=...) with and without the weight, a loss that skips the head on
+    one rank or on all, a deep copy, a direct call of ddp.module; what would change a hook's view
+    of the gradient raises when asked for outright, naming the cause."""
     import copy
     import torch
     import torch.distributed as tdist
-    from torch import nn
     import pynccl
     from numerics import assert_within
     idx, tgt = _batches(rank)[0]
     ours = pynccl.DistributedDataParallel(_model(), tied_embedding_rows=True)
     ref = torch.nn.parallel.DistributedDataParallel(_model(), process_group=tdist.group.WORLD)
+    rows = ours.reducer.tied_rows
     tol = _grad_rtol(ws, BATCH * SEQ)
 
-    # A deep copy (an EMA model) looks up its own weight, as torch does, and records nothing.
+    def same_grads(what, require_all=True):
+        for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"{what}: {name} has a grad on one side only"
+            if q.grad is not None:
+                assert_within(p.grad, q.grad, tol * q.grad.abs().max().item(), f"{what}: {name}")
+
+    def step(what, loss_of, all_inputs=False):
+        for m in (ours, ref):
+            m.zero_grad(set_to_none=True)
+            loss_of(m).backward(inputs=list(m.module.parameters()) if all_inputs else None)
+        same_grads(what)
+
+    # A deep copy (an EMA model) runs torch's linear and records nothing.
     ema = copy.deepcopy(ours.module)
-    with torch.no_grad():
-        ema.wte.weight.zero_()
-    assert ema.wte(idx).abs().max().item() == 0.0
-    assert ours.reducer.tied_rows.lookups == []
+    assert "forward" not in vars(ema.lm_head) and rows.steps == [None]
 
-    # A direct call of the wrapped module (not through DDP) looks up as torch does: nothing recorded,
-    # and the next DDP step still equals torch DDP's.
-    ours.module(idx, tgt).backward()
-    ref.module(idx, tgt).backward()
-    assert ours.reducer.tied_rows.lookups == []
-    for m in (ours, ref):
-        m.zero_grad(set_to_none=True)
-        m(idx, tgt).backward()
-    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
-        assert_within(p.grad, q.grad, tol * q.grad.abs().max().item(), name)
+    # A direct call of the wrapped module (not through DDP): torch's path, no reduction, as torch's.
+    step("direct call", lambda m: m.module(idx, tgt))
+    assert rows.steps == [None]
+    step("a DDP step", lambda m: m(idx, tgt))
+    assert rows.last_exchange == "rows"
 
-    # torch.autograd.grad of the tied weight gets the head's part only (documented); the lookup it
-    # never ran goes with the next backward's exchange as zeros, and that step equals torch DDP's.
-    torch.autograd.grad(ours(idx, tgt), [ours.module.wte.weight])
-    torch.autograd.grad(ref(idx, tgt), [ref.module.wte.weight])
-    for m in (ours, ref):
-        m.zero_grad(set_to_none=True)
-        m(idx, tgt).backward()
-    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
-        assert_within(p.grad, q.grad, tol * q.grad.abs().max().item(), f"after autograd.grad: {name}")
+    # torch.autograd.grad: the local gradient, head and lookup parts, as torch's (nothing reduced).
+    g_ours, = torch.autograd.grad(ours(idx, tgt), [ours.module.wte.weight])
+    g_ref, = torch.autograd.grad(ref(idx, tgt), [ref.module.wte.weight])
+    assert_within(g_ours, g_ref, tol * g_ref.abs().max().item(), "autograd.grad of the tied weight")
 
-    # A second backward through the same lookup (retain_graph) would lose its rows.
-    loss = ours(idx, tgt)
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="second backward through the same embedding lookup"):
-        loss.backward()
+    # backward(inputs=...) with every parameter (without the tied weight: last, below).
+    step("backward(inputs=all)", lambda m: m(idx, tgt), all_inputs=True)
 
-    # Token ids refilled in place before the end of backward.
-    ids = idx.clone()
-    loss = ours(ids, tgt)
-    ids.fill_(1)
-    with pytest.raises(RuntimeError, match="modified in place before the end of backward"):
-        loss.backward()
+    # A loss that skips the head (its output unused) on rank 1 only, then on every rank: the weight
+    # still gets the lookup's part, which torch DDP reduces.
+    def hidden_on(ranks):
+        def loss_of(m):
+            seen = []
+            handle = m.module.lm_head.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+            logits = m(idx)
+            handle.remove()
+            if rank in ranks:                 # the head's input: every parameter but the head's use of wte
+                return seen[0].square().mean()
+            return logits.square().mean()
+        return loss_of
+    step("head skipped on rank 1", hidden_on({1}))
+    step("head skipped everywhere", hidden_on(set(range(ws))))
+    step("a DDP step after", lambda m: m(idx, tgt))
 
-    # A hook on the tied weight would see the head's part only.
+    # Hooks that would see the rest only: refused when asked for outright (the default steps aside:
+    # test_the_default_steps_aside_...), and so is a CUDA graph capture (counts read on the host).
     handle = ours.module.wte.weight.register_hook(lambda g: g)
     with pytest.raises(RuntimeError, match="the tied weight has a gradient hook"):
         ours(idx, tgt)
     handle.remove()
-
-    # A forward captured in a CUDA graph (the exchange reads counts on the host): refused when asked
-    # for outright (the default steps aside: test_the_default_steps_aside_...).
+    handle = ours.module.wte.weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(RuntimeError, match="the tied weight has a gradient hook"):
+        ours(idx, tgt)
+    handle.remove()
     from unittest import mock
     with mock.patch("pynccl.ddp.embedding_rows._capturing", return_value=True):
         with pytest.raises(RuntimeError, match="a CUDA graph is being captured"):
             ours(idx, tgt)
+    assert rows.steps == [None]         # the refused forwards made no alias
+    step("a DDP step after the refusals", lambda m: m(idx, tgt))
+    assert rows.last_exchange == "rows"
 
-    # An embedding subclass with a forward of its own (HF Gemma scales its lookup) is left alone.
+    # backward(inputs=...) without the tied weight: it gets no gradient, as torch's (last: the
+    # buckets of the other parameters stay unfinished, which the next forward reports, as torch's).
+    for m in (ours, ref):
+        m.zero_grad(set_to_none=True)
+        m(idx, tgt).backward(inputs=[m.module.block[1].weight])
+    assert ours.module.wte.weight.grad is None and ref.module.wte.weight.grad is None
+    assert_within(ours.module.block[1].weight.grad, ref.module.block[1].weight.grad,
+                  tol * ref.module.block[1].weight.grad.abs().max().item(), "backward(inputs=[one weight])")
+
+
+def test_torch_semantics_of_the_tied_weight():
+    _run(_torch_semantics)
+
+
+def _which_heads(rank, ws):
+    """Which modules the path handles: a plain nn.Linear head whose weight only nn.Embedding modules
+    with torch's own forward also register; not an embedding subclass with a forward of its own
+    (HF Gemma scales its lookup: a subclass may look up other rows than its ids name), a head
+    subclass with its own forward, two heads on one weight, a sparse embedding or a parametrized
+    weight. A model with a scaled embedding keeps torch's path and trains as torch DDP."""
+    import torch
+    import torch.distributed as tdist
+    from torch import nn
+    import pynccl
+    from pynccl.ddp.embedding_rows import tied_heads
+    from numerics import assert_within
+
     class Scaled(nn.Embedding):
         def forward(self, input):
             return super().forward(input) * 8.0
-    scaled = nn.Sequential(Scaled(6, 4), nn.Linear(4, 6, bias=False))
-    scaled[1].weight = scaled[0].weight
-    from pynccl.ddp.embedding_rows import tied_embeddings as found
-    plain = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 6, bias=False))
-    plain[1].weight = plain[0].weight
-    assert found(scaled) == [] and found(plain) == [plain[0]]
 
-    # A parametrized embedding (its weight computed) is left alone, also when the variable asks.
+    class OwnHead(nn.Linear):
+        def forward(self, input):
+            return super().forward(input) * 0.5
+
+    def tied(emb, head):
+        m = nn.Sequential(emb, head)
+        m[1].weight = m[0].weight
+        return m
+    scaled = tied(Scaled(6, 4), nn.Linear(4, 6, bias=False))
+    assert tied_heads(scaled) == []
+    plain = tied(nn.Embedding(6, 4), nn.Linear(4, 6, bias=False))
+    assert tied_heads(plain) == [(plain[1], [plain[0]])]
+    assert tied_heads(tied(nn.Embedding(6, 4), OwnHead(4, 6, bias=False))) == []
+    assert tied_heads(tied(nn.Embedding(6, 4, sparse=True), nn.Linear(4, 6, bias=False))) == []
+    two = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 6, bias=False), nn.Linear(4, 6, bias=False))
+    two[1].weight = two[0].weight
+    two[2].weight = two[0].weight
+    assert tied_heads(two) == []
     untied = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 4))
     nn.utils.parametrizations.weight_norm(untied[0])
-    from pynccl.ddp.embedding_rows import tied_embeddings
-    assert tied_embeddings(untied) == []
+    assert tied_heads(untied) == []
+
+    def build():
+        model = _model()
+        model.wte = Scaled(VOCAB, DIM)
+        model.lm_head.weight = model.wte.weight
+        torch.manual_seed(1)
+        nn.init.normal_(model.wte.weight, std=0.02)
+        return model
+    ours = pynccl.DistributedDataParallel(build())
+    ref = torch.nn.parallel.DistributedDataParallel(build(), process_group=tdist.group.WORLD)
+    assert ours.reducer.tied_rows is None
+    for idx, tgt in _batches(rank, n=2):
+        for m in (ours, ref):
+            m.zero_grad(set_to_none=True)
+            m(idx, tgt).backward()
+        for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+            assert_within(p.grad, q.grad, _grad_rtol(ws, BATCH * SEQ) * q.grad.abs().max().item(), name)
 
 
-def test_uses_outside_ddp_backward_step_aside_or_raise():
-    _run(_uses_outside_ddp_backward)
+def test_which_heads_and_a_scaled_embedding():
+    _run(_which_heads)
+
+
+def _other_use(rank, ws, when):
+    """The tied weight also used outside its head and lookups (a functional use: here a penalty on
+    its norm). Found in the first step: that step's gradient is all-reduced whole and the path
+    steps aside for good, equal to torch DDP; first appearing later, it raises, naming the option."""
+    import torch
+    import torch.distributed as tdist
+    import pynccl
+    from numerics import assert_within
+    ours = pynccl.DistributedDataParallel(_model(), tied_embedding_rows=True)
+    ref = torch.nn.parallel.DistributedDataParallel(_model(), process_group=tdist.group.WORLD)
+
+    def loss_of(m, step):
+        loss = m(idx, tgt)
+        if step >= when:
+            loss = loss + 1e-3 * m.module.wte.weight.square().sum()
+        return loss
+    for step, (idx, tgt) in enumerate(_batches(rank, n=3)):
+        if step == when and when > 0:
+            ours.zero_grad(set_to_none=True)
+            with pytest.raises(RuntimeError, match="from outside its head and its embeddings' lookups"):
+                loss_of(ours, step).backward()
+            return
+        for m in (ours, ref):
+            m.zero_grad(set_to_none=True)
+            loss_of(m, step).backward()
+        assert (ours.reducer.tied_rows is None) == (step >= when)
+        for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+            assert_within(p.grad, q.grad, _grad_rtol(ws, BATCH * SEQ) * q.grad.abs().max().item(), f"{step} {name}")
+
+
+@pytest.mark.parametrize("when", [0, 1])
+def test_another_use_of_the_tied_weight(when):
+    _run(_other_use, when=when)
+
+
 
 
 def _saved_and_copied(rank, ws):
-    """torch.save of the whole module (not only its state_dict) and copy.deepcopy work with the rows
-    path installed; what comes back looks up as torch does, and the original stays on the path."""
+    """torch.save of the whole module (not only its state_dict) and copy.deepcopy work with the
+    head's forward installed; what comes back runs torch's linear, and the original stays on the path."""
     import copy
     import io
     import torch
@@ -444,30 +567,32 @@ def _saved_and_copied(rank, ws):
     ours = pynccl.DistributedDataParallel(_hf_gpt2(), tied_embedding_rows=True)
     rows = ours.reducer.tied_rows
     idx, tgt = _batches(rank)[0]
-    assert "forward" not in vars(ours.module.transformer.wte)      # installed only inside DDP's forward
+    head = ours.module.lm_head
+    h = torch.randn(2, DIM)
+    assert "forward" not in vars(head)                             # installed only inside DDP's forward
     copies = []
     for inside in (False, True):                                   # saved and copied outside and inside it
         with rows.forward_window(inside):
-            assert ("forward" in vars(ours.module.transformer.wte)) == inside
+            assert ("forward" in vars(head)) == inside
             with torch.no_grad():                                  # torch's parameter name works too
-                assert torch.equal(ours.module.transformer.wte(input=idx), ours.module.transformer.wte(idx))
+                assert torch.equal(head(input=h), head(h))
             buf = io.BytesIO()
             torch.save(ours.module, buf)
             buf.seek(0)
             copies += [(inside, torch.load(buf, weights_only=False)), (inside, copy.deepcopy(ours.module))]
-    assert "forward" not in vars(ours.module.transformer.wte)
+    assert "forward" not in vars(head)
     for inside, other in copies:
-        wte = other.transformer.wte
+        lm_head = other.lm_head
         if inside:                     # torch's own forward bound to the copy: loads without pynccl
-            assert isinstance(vars(wte)["forward"], functools.partial) and wte.forward.args == (wte,)
+            assert isinstance(vars(lm_head)["forward"], functools.partial) and lm_head.forward.args == (lm_head,)
         else:
-            assert "forward" not in vars(wte)
-        assert torch.equal(wte(idx), torch.nn.functional.embedding(idx, wte.weight))
+            assert "forward" not in vars(lm_head)
+        assert torch.equal(lm_head(h), torch.nn.functional.linear(h, lm_head.weight))
         other(input_ids=idx, labels=tgt).loss.backward()           # trains as a plain model
         assert other.transformer.wte.weight.grad is not None
-    assert ours.reducer.tied_rows.lookups == []
+    assert rows.steps == [None]
     ours(input_ids=idx, labels=tgt).loss.backward()
-    assert ours.reducer.tied_rows.last_exchange == "rows"
+    assert rows.last_exchange == "rows"
 
 
 def test_whole_module_saved_and_deep_copied():
@@ -475,8 +600,8 @@ def test_whole_module_saved_and_deep_copied():
 
 
 def _compiled_inside(rank, ws):
-    """nanoGPT's order: torch.compile(model), then DDP. The lookup is inside dynamo's graph, which
-    traces torch's lookup (no rows recorded), and the result equals torch DDP over the same
+    """nanoGPT's order: torch.compile(model), then DDP. The head is inside dynamo's graph, which
+    traces torch's linear (no alias, no exchange), and the result equals torch DDP over the same
     compiled model."""
     import torch
     import torch.distributed as tdist
@@ -501,10 +626,12 @@ def test_compiled_model_inside_looks_up_as_torch():
     _run(_compiled_inside)
 
 
-def _checkpointed_lookup(rank, ws):
-    """Non-reentrant activation checkpointing around the embedding (torch's recommended mode): the
-    recompute runs in backward, outside DDP's forward, so the lookup takes torch's path in the
-    forward too (else the recomputed tensors differ: CheckpointError); equal to torch DDP."""
+def _checkpointed(rank, ws, around):
+    """Non-reentrant activation checkpointing (torch's recommended mode) around the embedding (and
+    the head): its recompute runs in backward, outside DDP's forward, so under saved-tensor hooks
+    the modules run torch's forward. Around the embedding alone, its gradient then reaches the
+    weight past the aliases, which the first step finds (the path steps aside); around both,
+    nothing reads the aliases. Equal to torch DDP either way."""
     import torch
     import torch.distributed as tdist
     from torch import nn
@@ -520,8 +647,11 @@ def _checkpointed_lookup(rank, ws):
             return h + model.block(h)
 
         def forward(idx, targets):
-            h = checkpoint(trunk, idx, use_reentrant=False)
-            return nn.functional.cross_entropy(model.lm_head(h).flatten(0, 1), targets.flatten())
+            if around == "everything":
+                logits = checkpoint(lambda i: model.lm_head(trunk(i)), idx, use_reentrant=False)
+            else:
+                logits = model.lm_head(checkpoint(trunk, idx, use_reentrant=False))
+            return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         model.forward = forward
         return model
     ours = pynccl.DistributedDataParallel(build(), tied_embedding_rows=True)
@@ -530,10 +660,14 @@ def _checkpointed_lookup(rank, ws):
         for m in (ours, ref):
             m.zero_grad(set_to_none=True)
             m(idx, tgt).backward()
-        assert ours.reducer.tied_rows.last_exchange is None and ours.reducer.tied_rows.lookups == []
+        if around == "trunk":        # the lookup's gradient came past the aliases: the first step turned it off
+            assert ours.reducer.tied_rows is None
+        else:                        # nothing read the aliases: nothing to exchange
+            assert ours.reducer.tied_rows.last_exchange is None
         for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
             assert_within(p.grad, q.grad, _grad_rtol(ws, BATCH * SEQ) * q.grad.abs().max().item(), name)
 
 
-def test_checkpointed_lookup_takes_torchs_path():
-    _run(_checkpointed_lookup)
+@pytest.mark.parametrize("around", ["trunk", "everything"])
+def test_activation_checkpointing(around):
+    _run(_checkpointed, around=around)

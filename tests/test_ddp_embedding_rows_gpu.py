@@ -2,9 +2,10 @@
 test_ddp_embedding_rows.py on CUDA, against torch DDP on torch's own NCCL group, with every
 comm_path, with gradient copies and bucket views (the default; zeroed in place and set to None),
 each with SGD (linear in the gradient: a lost rank's
-rows or a missed 1/N moves parameters by a step's worth) and AdamW. The count exchange in forward
-goes through pinned memory and an event, the rows' all-gathers through pynccl's stream: a stream
-ordering bug would read counts or rows before they are written and fail these comparisons.
+rows or a missed 1/N moves parameters by a step's worth) and AdamW. The head's part is packed on
+the reducer's side stream while backward goes on, the rest's counts and rows cross through
+pynccl's stream at the end: a stream ordering bug would read a part before it is written and fail
+these comparisons.
 Tolerance: test_ddp_embedding_rows._grad_rtol (the order of the final sums), through
 numerics.trained_atol for the optimizer."""
 import pytest

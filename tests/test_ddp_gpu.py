@@ -107,6 +107,19 @@ def _assert_trained_close(ours, theirs, their_opt, grad_scale, rtol, what, steps
         assert_within(p, q, trained_atol(their_opt, q, rtol, grad_scale.get(q), steps), f"{what}: parameter {i}")
 
 
+@torch.no_grad()
+def _take_state(ours, opt_ours, theirs, opt_theirs):
+    """ours' parameters and optimizer state become copies of theirs' (equal starting points)."""
+    for p, q in zip(ours.module.parameters(), theirs.module.parameters()):
+        p.copy_(q)
+        for key, value in opt_theirs.state.get(q, {}).items():
+            mine = opt_ours.state[p][key]
+            if isinstance(value, torch.Tensor):
+                mine.copy_(value)
+            else:
+                opt_ours.state[p][key] = value
+
+
 def _params(model):
     return [p.detach().clone() for p in getattr(model, "module", model).parameters()]
 
@@ -115,7 +128,8 @@ def _against_torch_ddp(rank, ws):
     """Every case runs with every optimizer, then one assertion lists each failure. Above world
     size 1, torch's communicator and ours may sum a bucket's elements in different orders (NCCL
     picks the algorithm and chunking per call size, and the two DDPs' first buckets differ):
-    vs_torch_rtol, carried through each optimizer by numerics.trained_atol."""
+    vs_torch_rtol on each step's gradients, carried through one optimizer step by
+    numerics.trained_atol (compare() restarts both from equal states every step)."""
     device = pynccl.get_device()
     # pynccl's torch.distributed default group is gloo; torch DDP gets its own NCCL group.
     torch_pg = tdist.new_group(backend="nccl")
@@ -124,20 +138,34 @@ def _against_torch_ddp(rank, ws):
     failures, compared = [], []
 
     def compare(name, make_ours, make_theirs, opt_name, slow, set_to_none=True, setup=None, rtol=rtol):
+        """Step by step from equal starting points: the gradients (DDP's whole job) within rtol of
+        each tensor's largest, then one optimizer step within numerics.trained_atol(steps=1); then
+        ours takes torch's parameters and optimizer state, so a rounding difference never feeds
+        back into later gradients (first-order bounds hold per step; at 4 ranks the bound over 6
+        AdamW steps did not, session 12)."""
         ours, opt_ours = _build(device, make_ours, slow, opt=opt_name)
         theirs, opt_theirs = _build(device, make_theirs, slow, opt=opt_name)
         if setup is not None:
             setup(ours)
-        scale = {}
-        for x, y in data:
-            _step(ours, opt_ours, x, y, set_to_none=set_to_none)
-            _step(theirs, opt_theirs, x, y, set_to_none=set_to_none, grad_scale=scale)
-        torch.cuda.synchronize()
+        what = f"{name} {opt_name}"
         try:
-            _assert_trained_close(ours, theirs, opt_theirs, scale, rtol, f"{name} {opt_name}")
+            for i, (x, y) in enumerate(data):
+                scale = {}
+                for m, o in ((ours, opt_ours), (theirs, opt_theirs)):
+                    o.zero_grad(set_to_none=set_to_none)
+                    ((m(x) - y) ** 2).mean().backward()
+                record_grad_scale(theirs.module.parameters(), scale)
+                for j, (p, q) in enumerate(zip(ours.module.parameters(), theirs.module.parameters())):
+                    assert (p.grad is None) == (q.grad is None), f"{what}: step {i} parameter {j} has a grad on one side"
+                    if q.grad is not None:
+                        assert_within(p.grad, q.grad, rtol * scale[q], f"{what}: step {i} gradient of parameter {j}")
+                opt_ours.step()
+                opt_theirs.step()
+                _assert_trained_close(ours, theirs, opt_theirs, scale, rtol, f"{what}: step {i}", steps=1)
+                _take_state(ours, opt_ours, theirs, opt_theirs)
         except AssertionError as e:
             failures.append(str(e))
-        compared.append(f"{name} {opt_name}")
+        compared.append(what)
         return ours
 
     # (DDP kwargs, slow backward, delayed Python hook). Without a hook of its own a bucket runs

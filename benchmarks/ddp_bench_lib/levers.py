@@ -69,7 +69,7 @@ LEVERS = {lv.name: lv for lv in [
           "backward", unpack_early=False),
     # Issue 26, item 3: the tied embedding's tail (pynccl/ddp/embedding_rows.py).
     Lever("tied-rows", "tied_embedding_rows=True: the tied weight's head part all-reduced as soon as it is in, the "
-          "lookup part exchanged as the rows of this rank's tokens at the end (opt-in)",
+          "rest exchanged as the rows that carry it at the end (the default since session 13)",
           ddp_kwargs=dict(tied_embedding_rows=True)),
     # Levers that each measured below the default, together (never timed together before session 11).
     Lever("copy-engine+grad-view", "comm_path='copy_engine' and gradient_as_bucket_view=True", min_nccl=(2, 28, 0),
@@ -81,10 +81,17 @@ LEVERS = {lv.name: lv for lv in [
     Lever("copy-engine+grad-view+overlap-optimizer", "comm_path='copy_engine', gradient_as_bucket_view=True and "
           "overlap_optimizer (opt-in)", min_nccl=(2, 28, 0),
           ddp_kwargs=dict(comm_path="copy_engine", gradient_as_bucket_view=True), overlap_optimizer=True),
+    # NOTE: comm_path named: "auto" is the copy engine since session 13 (in session 13's last runs
+    # these two levers still left it to "auto").
     Lever("copies+plain-tied", "the defaults before session 12: gradient_as_bucket_view=False, "
-          "tied_embedding_rows=False", ddp_kwargs=dict(gradient_as_bucket_view=False, tied_embedding_rows=False)),
-    Lever("views+plain-tied", "the defaults since session 12: gradient_as_bucket_view=True, tied_embedding_rows=False",
-          ddp_kwargs=dict(gradient_as_bucket_view=True, tied_embedding_rows=False)),
+          "tied_embedding_rows=False, comm_path='symmetric'",
+          ddp_kwargs=dict(gradient_as_bucket_view=False, tied_embedding_rows=False, comm_path="symmetric")),
+    Lever("views+plain-tied", "the defaults of session 12: gradient_as_bucket_view=True, tied_embedding_rows=False, "
+          "comm_path='symmetric'",
+          ddp_kwargs=dict(gradient_as_bucket_view=True, tied_embedding_rows=False, comm_path="symmetric")),
+    Lever("views+plain-tied+copy-engine", "session 13's defaults without the tied tail: gradient_as_bucket_view=True, "
+          "tied_embedding_rows=False, comm_path='copy_engine'",
+          ddp_kwargs=dict(gradient_as_bucket_view=True, tied_embedding_rows=False, comm_path="copy_engine")),
     Lever("unpack-early-tail4", "unpack-early, and the last bucket's pack / all-reduce / unpack pipelined over 4 "
           "slices (its unpack overlaps its all-reduce)", unpack_early=True, tail_chunks=4),
 ]}

@@ -146,6 +146,7 @@ class GradBucketer:
         self._started = False                        # a hook fired in the armed backward
         self._ready = [False] * len(self.params)
         self._pending_unused: List[int] = []
+        self._early: set = set()                    # mark_ready_early's, in this armed backward
         self._order_now: List[int] = []
         self._stale_error: Optional[List[str]] = None
         self.used = [False] * len(self.params)     # a gradient arrived since reset_used(), armed or not
@@ -187,8 +188,15 @@ class GradBucketer:
 
     def _hook(self, idx: int, param: torch.Tensor) -> None:
         self.used[idx] = True
-        if self._armed:
+        if self._armed and idx not in self._early:
             self._mark_idx(idx)
+
+    def mark_ready_early(self, idx: int) -> None:
+        """Parameter `idx` is ready before its gradient accumulates (its caller reduces something
+        else in its place); its own hook is then ignored for the rest of this backward."""
+        self.used[idx] = True
+        self._early.add(idx)
+        self._mark_idx(idx)
 
     # ------------------------------------------------------------------ iteration
     @property
@@ -214,6 +222,7 @@ class GradBucketer:
         self._next_bucket = 0
         self._order_now = []
         self._pending_unused = [self._index_of[id(p)] for p in unused if id(p) in self._index_of]
+        self._early = set()
         self._started = False
         self._armed = True
 

@@ -7,7 +7,8 @@ kernels reduce it.
                  (a few CTAs, fp32 accumulation for 16-bit wires)
   "copy_engine"  the same window, each all-reduce split into a symmetric reduce-scatter and an
                  all-gather on the copy engines (no SM)
-  "auto"         the measured default where it is available (see DEFAULT_PATH), else "default"
+  "auto"         the measured default where it is available (see DEFAULT_PATH): the copy engine
+                 where the communicator has copy-engine collectives, else symmetric, else "default"
 
 The result is exact either way: the buckets hold the same values, only the reduction kernel
 differs (fp32 sums of two ranks are exact in any order; more ranks reassociate as any NCCL
@@ -24,8 +25,9 @@ from typing import List, Optional
 from ..comm.symmetric import alloc_symmetric, symmetric_support
 
 COMM_PATHS = ("auto", "default", "symmetric", "copy_engine")
-# Chosen by benchmarks/sm_contention.py and ddp_bench.py on 2 x H100 (benchmarks/RESULTS.md).
-DEFAULT_PATH = "symmetric"
+# Chosen by ddp_bench.py on 2 and 4 x H100 (benchmarks/RESULTS.md, session 13: with the tied tail
+# of embedding_rows.py the copy engine measured below symmetric in all four windows).
+DEFAULT_PATH = "copy_engine"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +57,10 @@ def place_wires(buckets, group, requested: str) -> CommPath:
         b.extra["result"] = b.extra["wire"]
     if requested == "default":
         return CommPath("default")
-    want = DEFAULT_PATH if requested == "auto" else requested
     support = symmetric_support(group)
+    want = requested
+    if requested == "auto":
+        want = DEFAULT_PATH if support.copy_engine or DEFAULT_PATH != "copy_engine" else "symmetric"
     if want == "copy_engine" and support.available and not support.copy_engine:
         return _fallback(requested, "default", "the communicator has no copy-engine collectives "
                          "(needs NCCL >= 2.28 and cta_policy=2, pynccl's default there)")

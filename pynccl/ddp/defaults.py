@@ -8,15 +8,16 @@ gradient_as_bucket_view=None -> True: each parameter's .grad is a view into its 
   the flag, .grad is the same tensor every step (a reference kept from the last step is
   overwritten). Pass False for torch's behaviour (a .grad of its own per parameter);
   PYNCCL_DDP_GRADIENT_AS_BUCKET_VIEW=0|1 decides where the constructor leaves it None.
-tied_embedding_rows=None -> off: opt-in, not a default, though it measured fastest (with it, DDP's
-  cost over the floor is 0.33-0.50 x torch DDP's on 2 and 4 H100s, RESULTS), because it is not
-  exact everywhere torch DDP is: backward(inputs=...) and autograd.grad miss the lookup's part, a
-  step whose loss skips the LM head loses it, a collective in each synced forward needs the same
-  number of synced forwards on every rank (embedding_rows.py; session 12's review).
-  PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 turns it on for models that have a tied embedding, stepping
-  aside (off for the model) instead of refusing where join(), overlap_optimizer(), another comm
-  hook, a gradient hook on the tied weight or a CUDA graph capture need the plain path;
-  tied_embedding_rows=True asks for it outright (those raise).
+tied_embedding_rows=None -> on where the model has an LM head tied to an embedding (GPT-2, nanoGPT):
+  the head's part of the tied gradient is all-reduced at the start of backward and the rest
+  crosses as the rows that carry it at the end (embedding_rows.py). Exact as torch DDP up to the
+  order of one fp32 sum; .grad, torch.autograd.grad, backward(inputs=...), no_sync and a step
+  whose loss skips the head behave as torch's. It steps aside (off for the model) where join(),
+  overlap_optimizer(), another comm hook, a gradient hook on the tied weight or a CUDA graph
+  capture need the plain path; tied_embedding_rows=True asks for it outright (those raise),
+  False or PYNCCL_DDP_TIED_EMBEDDING_ROWS=0 turns it off.
+  (Sessions 11-12 had it as an opt-in that detached the lookup instead: not exact where the
+  lookup's part was needed outside DDP's reduction; this design keeps .grad torch's.)
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import List, Optional, Tuple
 
 import torch.nn as nn
 
-from .embedding_rows import tied_embeddings
+from .embedding_rows import tied_heads
 
 TIED_ROWS_ENV = "PYNCCL_DDP_TIED_EMBEDDING_ROWS"
 GRAD_VIEW_ENV = "PYNCCL_DDP_GRADIENT_AS_BUCKET_VIEW"
@@ -48,9 +49,10 @@ def gradient_as_bucket_view(requested: Optional[bool]) -> bool:
     return requested
 
 
-def tied_embedding_rows(requested: Optional[bool], module: nn.Module) -> Tuple[List[nn.Embedding], bool]:
-    """(the embeddings to handle, whether they were asked for outright). An empty list: off."""
+def tied_embedding_rows(requested: Optional[bool], module: nn.Module) -> Tuple[list, bool]:
+    """((LM head, its embeddings) pairs to handle, whether they were asked for outright). Empty: off."""
     if requested is not None and not isinstance(requested, bool):
         raise TypeError(f"DistributedDataParallel: tied_embedding_rows must be a bool or None, got {requested!r}")
-    on = requested if requested is not None else bool(_env_switch(TIED_ROWS_ENV))
-    return (tied_embeddings(module) if on else []), requested is True
+    env = _env_switch(TIED_ROWS_ENV)
+    on = requested if requested is not None else (True if env is None else env)
+    return (tied_heads(module) if on else []), requested is True

@@ -1,53 +1,57 @@
-"""Issue 26, opt-in `DistributedDataParallel(..., tied_embedding_rows=True)` (or
-PYNCCL_DDP_TIED_EMBEDDING_ROWS=1; defaults.py says why not a default): the lookup part of a tied embedding's gradient crosses the wire as the rows this
-rank's tokens touched.
+"""Issue 26, `DistributedDataParallel(..., tied_embedding_rows=None|True|False)` (on by default
+where it applies; defaults.py): the tied embedding's gradient crosses the wire in two parts, the
+LM head's early and the lookups' as the rows they touched.
 
 In GPT-2 and nanoGPT the token embedding's weight is also the LM head's. Its gradient is the sum
-of two parts: the head's, dense (every vocabulary row) and complete at the very start of
-backward, and the lookup's, non-zero only in the rows of this rank's tokens and complete at the
-very end. Autograd sums the two before the weight's gradient hook fires, so DDP (torch's and
-pynccl's default) all-reduces 147 MiB for GPT-2's 50257 × 768 fp32 weight after the last op of
-backward, with nothing left to hide it (the exposed tail of benchmarks/RESULTS.md).
+of the head's part, dense (every vocabulary row) and complete at the very start of backward, and
+the lookup's, non-zero only in the rows of this rank's tokens and complete at the very end.
+Autograd sums the two before the weight's gradient hook fires, so torch DDP all-reduces 147 MiB
+for GPT-2's 50257 x 768 fp32 weight after the last op of backward, with nothing left to hide it
+(the exposed tail of benchmarks/RESULTS.md).
 
-Here the two parts are reduced apart (a sum is linear; only the fp32 rounding order differs):
-* the lookup reads the weight detached, so the weight's hook fires once the head's part is in,
-  and its bucket is all-reduced while the rest of backward runs;
-* the lookup's backward keeps (token ids, output-gradient rows) instead of returning a gradient;
-* at the end of backward, after the buckets are written back, every rank's rows are all-gathered
-  (B·T rows instead of V: nanoGPT's 12 × 1024 against 50257, 4× fewer bytes at 2 ranks) and
-  added, times the reducer's scale (1/N), with index_put_(accumulate=True): on CUDA a sorted,
-  deterministic sum, the same on every rank, so the replicas stay equal.
+Here, inside DDP's own synced forward only, the head and the lookups read the weight through
+aliases (an autograd Function returning weight.view_as(weight)); the lookups record their token
+ids. In backward the head alias hands the head's part (plus whatever .grad held: no_sync
+accumulation) to the reducer as the weight's gradient, which marks the weight ready, so its
+bucket is all-reduced while the rest of backward runs; the lookup alias keeps the lookups'
+gradient (torch's own embedding backward, dense). Both return nothing to the weight. Before the
+tied bucket goes out every rank all-gathers how many distinct rows its lookups touched, read on
+the host only at the end of backward (no stream waits for it). At the end each rank sends those
+rows (padded to the largest count for the all-gather), and every rank adds all of them, times
+the reducer's 1/N, to the all-reduced head part, rank by rank with index_add_ (a rank's ids are
+distinct, so each add is deterministic and the sum the same on every rank: the replicas stay
+equal); that becomes the weight's .grad. Where
+N x the largest count exceeds the vocabulary (the gathered rows would outweigh the dense
+gradient, on the wire and in memory) the lookups' gradient is all-reduced densely instead,
+decided alike on every rank from the gathered counts.
 
-Ranks may feed different numbers of tokens: each lookup's count is all-gathered in forward (a
-few bytes; on CUDA copied to pinned memory behind an event, read at the end of backward: the host
-waits there only if it ran a whole step ahead of the GPU) and the rows are padded to the largest.
-Every rank must make the same number of lookups per step, as with any collective. Each rank
-receives (N - 1) x tokens x width values against the all-reduce's 2(N - 1)/N x vocabulary x width;
-where N x the largest count exceeds the vocabulary (the gathered rows would outweigh the dense
-gradient, on the wire and in memory), that lookup's dense gradient is all-reduced at the end
-instead, as torch's tail, decided alike on every rank from the all-gathered counts.
+Exact as torch DDP up to the fp32 rounding order of one sum (a + b reduced against a reduced
+plus b reduced): a sum is linear, and a lookup's gradient is zero off the rows its ids name.
+Nothing runs in forward but the aliases (no collective). A gradient that reaches the weight past
+both aliases (a functional use of the weight elsewhere) is found in the first step (one host
+sync), all-reduced there, and the path then steps aside for good; appearing only later, it
+raises. Where the aliases leave the gradient to autograd (nothing diverted): torch.autograd.grad
+(nothing accumulates, DDP reduces nothing, as torch's), backward(inputs=...) without the weight,
+a second backward on one forward. A loss that skips the head on some rank: the weight goes out
+when its lookups' gradient arrives there. torch's own forward runs under torch.compile, in
+no_sync(), without grad, in a direct call of ddp.module and under saved-tensor hooks (activation
+checkpointing around the head or the lookup: its gradient then reaches the weight past the
+aliases, so the first step turns the path off); a deep copy or pickled module keeps nothing of
+this path.
 
-Where it applies: an nn.Embedding with torch's own forward (no subclass forward, no max_norm, not sparse, no scale_grad_by_freq, its weight a
-registered parameter) whose weight is also registered by a module that is not such an embedding
-(the head). An untied embedding keeps the default path (its weight would get no gradient through
-autograd at all). The replaced forward is installed only while DDP's own synced forward runs:
-torch's lookup runs under torch.compile, in no_sync(), without grad, in a direct call of
-ddp.module, and a deep copy or pickled module keeps nothing of this path. Refused where asked for
-outright (turned off where the environment asked): a comm hook other than the built-in ones,
-overlap_optimizer (it would step the weight before the rows arrive), join(), a gradient hook on
-the tied weight, a forward captured in a CUDA graph. Refused always: a second backward through a
-lookup, ids modified in place before the end of backward. Not covered (documented in
-docs/training.md): torch.autograd.grad or backward(inputs=...) of the tied weight (the head's part
-only), a step whose loss skips the head (needs find_unused_parameters=True). Activation
-checkpointing around the lookup (saved-tensor hooks active) takes torch's lookup, as its recompute
-in backward does.
+Where it applies: an nn.Linear with torch's own forward (the head) whose weight, a registered
+parameter, is registered otherwise only by nn.Embedding modules with torch's own forward (not
+sparse, no max_norm, no scale_grad_by_freq): a subclass's forward may look up other rows than
+its ids name. Stepping aside (default) or refused (asked for with True): a comm hook other than
+the built-in ones, overlap_optimizer, join(), a gradient hook on the tied weight (register_hook,
+or a post-accumulate hook beside DDP's), a forward captured in a CUDA graph.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import weakref
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -56,68 +60,73 @@ import torch.nn.functional as F
 from ..comm.reduce_op import ReduceOp
 
 
-def tied_embeddings(module: nn.Module) -> List[nn.Embedding]:
-    """The embeddings of `module` that this path handles (see the module docstring)."""
+def _plain_lookup(emb: nn.Module) -> bool:
+    return (isinstance(emb, nn.Embedding) and type(emb).forward is nn.Embedding.forward and emb.max_norm is None
+            and not emb.sparse and not emb.scale_grad_by_freq)
+
+
+def tied_heads(module: nn.Module) -> List[Tuple[nn.Linear, List[nn.Embedding]]]:
+    """The (LM head, its embeddings) pairs of `module` that this path handles (module docstring)."""
     # NOTE: a parametrized weight (weight_norm, LoRA) is computed, not a registered parameter: left alone.
-    # NOTE: only torch's own lookup: a subclass with a forward of its own (HF Gemma's scaled embedding) is
-    # left alone, since the rows path computes F.embedding.
-    candidates = [m for m in module.modules() if isinstance(m, nn.Embedding) and type(m).forward is nn.Embedding.forward
-                  and m.max_norm is None
-                  and not m.sparse and not m.scale_grad_by_freq and m._parameters.get("weight") is not None
-                  and m._parameters["weight"].requires_grad]
-    handled = {id(m) for m in candidates}
-    owners = {}
+    owners: Dict[int, List[nn.Module]] = {}
     for m in module.modules():
         for p in m._parameters.values():
             if p is not None:
                 owners.setdefault(id(p), []).append(m)
-    return [m for m in candidates if any(id(o) not in handled for o in owners.get(id(m._parameters["weight"]), []))]
+    found = []
+    for m in module.modules():
+        w = m._parameters.get("weight") if isinstance(m, nn.Linear) else None
+        if w is None or type(m).forward is not nn.Linear.forward or not w.requires_grad:
+            continue
+        others = [o for o in owners[id(w)] if o is not m]
+        # NOTE: every other owner must be torch's own lookup: the rows its ids name are the only ones
+        # its gradient touches (a subclass's forward may look up other rows, or several times).
+        if others and all(_plain_lookup(o) for o in others):
+            found.append((m, others))
+    return found
 
 
-class _RowsLookup(torch.autograd.Function):
-    """F.embedding on the detached weight; backward hands (ids, rows) to the exchange. `anchor` is a
-    0-d leaf that makes the output require grad (the weight, detached, does not)."""
+class _Alias(torch.autograd.Function):
+    """weight.view_as(weight); backward offers the gradient to TiedEmbeddingRows.divert."""
 
     @staticmethod
-    def forward(ctx, ids, weight, anchor, padding_idx, lookup):
-        ctx.lookup = lookup
-        return F.embedding(ids, weight, padding_idx)
+    def forward(ctx, weight, rows, k, part):
+        ctx.rows, ctx.k, ctx.part = rows, k, part
+        return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.lookup.rows is not None or ctx.lookup.exchanged:
-            raise RuntimeError("DistributedDataParallel(tied_embedding_rows=True): a second backward through the same "
-                               "embedding lookup (retain_graph=True) is not supported: its rows would be lost")
-        ctx.lookup.rows = grad
-        return None, None, None, None, None
+        if ctx.rows.divert(ctx.k, ctx.part, grad):
+            return None, None, None, None
+        return grad, None, None, None
 
 
-class _RowsForward:
-    """An embedding's `forward` (an instance attribute) only while DDP's own synced forward runs
-    (forward_window installs and removes it): outside it, in a direct call of ddp.module, a deep
-    copy or a pickled module, the embedding is torch's. Copied or pickled while installed, it
-    becomes torch's own forward bound to the copy (functools.partial: loads without pynccl)."""
+class _Forward:
+    """A module's `forward` (an instance attribute) only while DDP's own synced forward runs
+    (forward_window installs and removes it). Copied or pickled while installed, it becomes
+    torch's own forward bound to the copy (functools.partial: loads without pynccl)."""
 
-    def __init__(self, emb: nn.Embedding, rows: "TiedEmbeddingRows"):
-        self.emb = emb
+    def __init__(self, module: nn.Module, rows: "TiedEmbeddingRows", k: int):
+        self.module, self.k = module, k
+        self.torch_forward = type(module).forward
         self.rows = weakref.ref(rows)
 
-    def __call__(self, input: torch.Tensor) -> torch.Tensor:      # NOTE: nn.Embedding.forward's parameter name
-        emb = self.emb
-        # NOTE: is_compiling first: dynamo then traces torch's lookup and nothing else here.
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-            return F.embedding(input, emb.weight, emb.padding_idx)
-        if _saved_tensor_hooks_active():
-            # NOTE: non-reentrant activation checkpointing (or offloading) around the lookup: its recompute
-            # runs in backward, outside DDP's forward, with torch's lookup, so the forward must match it.
-            return F.embedding(input, emb.weight, emb.padding_idx)
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:      # NOTE: torch's parameter name
+        m = self.module
+        # NOTE: is_compiling first: dynamo then traces torch's forward and nothing else here. Under
+        # non-reentrant checkpointing the recompute in backward runs torch's forward: so does this.
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled() or _saved_tensor_hooks_active():
+            return self.torch_forward(m, input)
         rows = self.rows()
-        if rows is None:
-            return F.embedding(input, emb.weight, emb.padding_idx)
-        return rows._lookup(emb, input)
+        if rows is None or not rows.may_divert(self.k):
+            return self.torch_forward(m, input)
+        if isinstance(m, nn.Embedding):
+            rows.record(self.k, input)
+            return F.embedding(input, _Alias.apply(m.weight, rows, self.k, "lookup"), m.padding_idx)
+        return F.linear(input, _Alias.apply(m.weight, rows, self.k, "head"), m.bias)
 
     def __reduce__(self):
-        return functools.partial, (nn.Embedding.forward, self.emb)
+        return functools.partial, (self.torch_forward, self.module)
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -129,47 +138,49 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class _Lookup:
-    """One call: the weight, its token ids (flat), the all-gathered counts, and after backward the
-    output-gradient rows (None if its output never reached a loss: a forward with no backward,
-    whose lookups go with the next backward's, as zeros, so every rank exchanges the same)."""
+class _Step:
+    """One tied weight's state between a synced forward and the end of its backward."""
 
-    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, padding_idx: Optional[int], counts, ready):
-        self.weight, self.ids, self.padding_idx, self.counts, self.ready = weight, ids, padding_idx, counts, ready
-        self.ids_version = ids._version      # the ids are read at the end of backward: refilled in place is an error
-        self.rows: Optional[torch.Tensor] = None
-        self.exchanged = False
-
-    def host_counts(self) -> List[int]:
-        if self.ready is not None:
-            # NOTE: recorded in forward; the host waits here only if it ran a whole step ahead of the GPU.
-            self.ready.synchronize()
-        return [int(c) for c in self.counts.tolist()]
+    def __init__(self):
+        self.ids: List[torch.Tensor] = []       # every lookup's token ids, flat
+        self.rest: Optional[torch.Tensor] = None  # the lookups' gradient, diverted
+        self.counts = None                      # (mask, counts (pinned on CUDA), event) once gathered
 
 
 class TiedEmbeddingRows:
-    """Installs the lookup on each handled embedding, and adds the exchanged rows at the end of
-    backward (Reducer._on_backward_end calls finish())."""
+    """Installs the aliases on each handled head and its embeddings, diverts their gradients in
+    backward (Reducer.mark_ready_with), gathers the row counts before the tied bucket goes out
+    (before_bucket) and exchanges the rows at the end (Reducer._on_backward_end calls finish())."""
 
-    def __init__(self, ddp, embeddings: List[nn.Embedding], explicit: bool = True):
-        if not embeddings:
-            raise ValueError("DistributedDataParallel: tied_embedding_rows=True but the module has no nn.Embedding "
-                             "whose weight another module (the LM head) also registers; nothing to do")
+    def __init__(self, ddp, pairs: List[Tuple[nn.Linear, List[nn.Embedding]]], explicit: bool = True):
+        if not pairs:
+            raise ValueError("DistributedDataParallel: tied_embedding_rows=True but the module has no nn.Linear "
+                             "(the LM head) whose weight only nn.Embedding modules with torch's own forward also "
+                             "register; nothing to do")
         self.backend = ddp.process_group.backend
+        self.rank = int(ddp.process_group.group_rank)
         self.reducer = ddp.reducer
         self.explicit = explicit              # asked for outright: refuse what needs the plain path (defaults.py)
-        self.embeddings = embeddings
-        self.lookups: List[_Lookup] = []
-        self.anchor = torch.zeros((), device=ddp.device, requires_grad=True)
-        self.last_exchange = None             # "rows" or "dense": how the last lookup's gradient crossed
+        self.heads = [h for h, _ in pairs]
+        self.embeddings = [e for _, e in pairs]
+        self.weights = [h.weight for h in self.heads]
+        self.index = [self.reducer.bucketer._index_of[id(w)] for w in self.weights]
+        self._of_index = {i: k for k, i in enumerate(self.index)}
+        # NOTE: the weights' AccumulateGrad nodes, held so they stay the ones autograd uses; divert
+        # asks whether the running backward will execute them (it does not in torch.autograd.grad).
+        self._accumulators = [w.view_as(w).grad_fn.next_functions[0][0] for w in self.weights]
+        self.steps: List[Optional[_Step]] = [None] * len(pairs)
+        self.checked = False                  # the first exchange agreed that nothing else uses the weights
+        self.last_exchange = None             # "rows", "dense" or "none": how the last lookups' gradient crossed
+        self.side = torch.cuda.Stream(ddp.device) if ddp.device.type == "cuda" else None
         # NOTE: made once: the same objects at every install, so a model compiled inside DDP (nanoGPT's
         # order) does not see a new `forward` each step (dynamo would recompile).
-        self._forwards = [_RowsForward(emb, self) for emb in embeddings]
+        self._forwards = [(m, _Forward(m, self, k)) for k, (h, es) in enumerate(pairs) for m in [h] + es]
 
     def remove(self) -> None:
-        """Back to torch's lookup for good (a feature that needs the plain path, where the environment
-        variable turned this path on). Only between steps: no lookup of this one may still wait for its rows."""
-        if self.lookups:
+        """Back to torch's path for good (a feature that needs the plain path, where the default
+        turned this path on). Only between steps."""
+        if any(s is not None for s in self.steps) or self.reducer.diverted:
             raise RuntimeError("DistributedDataParallel: cannot turn tied_embedding_rows off between a forward and "
                                "its backward; do it before the step")
         self._uninstall()
@@ -177,103 +188,187 @@ class TiedEmbeddingRows:
 
     @contextlib.contextmanager
     def forward_window(self, sync: bool):
-        """Around DDP's call of its module: lookups take the rows path only inside a synced one
-        (a direct call of ddp.module reduces nothing and looks up as torch does)."""
+        """Around DDP's call of its module: the head and lookups read the alias only inside a synced one."""
         if sync:
-            for emb, forward in zip(self.embeddings, self._forwards):
-                emb.forward = forward
+            for m, forward in self._forwards:
+                m.forward = forward
         try:
             yield
         finally:
             self._uninstall()
 
     def _uninstall(self) -> None:
-        for emb in self.embeddings:
-            if isinstance(emb.__dict__.get("forward"), _RowsForward):
-                del emb.forward
+        for m, _ in self._forwards:
+            if isinstance(m.__dict__.get("forward"), _Forward):
+                del m.forward
 
-    def _lookup(self, emb: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    # ------------------------------------------------------------------ forward
+    def may_divert(self, k: int) -> bool:
+        """In forward: whether weight k's users read the alias (False: torch's, having stepped aside)."""
+        w = self.weights[k]
         why = None
-        if emb.weight._backward_hooks:
-            why = ("the tied weight has a gradient hook (register_hook); it would see the head's part only. Remove the "
-                   "hook or the option")
+        if w._backward_hooks or len(getattr(w, "_post_accumulate_grad_hooks", None) or ()) > 1:
+            why = ("the tied weight has a gradient hook (register_hook or a post-accumulate-grad hook of its own); "
+                   "it would not see the head's and the lookups' parts. Remove the hook or the option")
         elif _capturing():
-            why = ("a CUDA graph is being captured, and the exchange reads the token counts on the host. Pass "
+            why = ("a CUDA graph is being captured, and the exchange reads the row counts on the host. Pass "
                    "tied_embedding_rows=False for a captured step")
-        if why is not None:
-            if not self.explicit and not self.lookups:       # turned on by the environment: step aside
-                self.remove()
-                return F.embedding(ids, emb.weight, emb.padding_idx)
-            raise RuntimeError(f"DistributedDataParallel(tied_embedding_rows=True): {why}")
-        counts = torch.empty(self.backend.world_size, dtype=torch.int64, device=ids.device)
-        mine = torch.full((1,), ids.numel(), dtype=torch.int64, device=ids.device)
-        self.backend.all_gather_into_tensor(counts, mine, async_op=True).wait()   # a stream wait on CUDA
-        ready = None
-        if counts.is_cuda:
-            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            host.copy_(counts, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            counts = host
-        lookup = _Lookup(emb.weight, ids.reshape(-1), emb.padding_idx, counts, ready)
-        self.lookups.append(lookup)
-        return _RowsLookup.apply(ids, emb.weight.detach(), self.anchor, emb.padding_idx, lookup)
+        if why is None:
+            if self.steps[k] is None:
+                self.steps[k] = _Step()
+            return True
+        if not self.explicit and all(s is None for s in self.steps):      # the default: step aside
+            self.remove()
+            return False
+        raise RuntimeError(f"DistributedDataParallel(tied_embedding_rows=True): {why}")
+
+    def record(self, k: int, ids: torch.Tensor) -> None:
+        self.steps[k].ids.append(ids.reshape(-1))
+
+    # ------------------------------------------------------------------ backward
+    def divert(self, k: int, part: str, grad: torch.Tensor) -> bool:
+        """In backward, with the head's part or a lookup's: take it (True) or leave it to autograd."""
+        reducer, idx, step = self.reducer, self.index[k], self.steps[k]
+        if step is None or not reducer.bucketer.armed:
+            return False
+        if part == "head" and idx in reducer.diverted:
+            return False                   # the weight went out already (a lookup came first): to .grad
+        try:
+            if not torch._C._will_engine_execute_node(self._accumulators[k]):
+                return False               # backward(inputs=...) without the weight
+        except RuntimeError:
+            return False                   # torch.autograd.grad: nothing accumulates, nothing to reduce
+        if part == "lookup":
+            step.rest = grad if step.rest is None else step.rest.add_(grad)
+            if idx in reducer.diverted:
+                return True
+            grad = None                    # the head's part never came (this loss skips the head): out now
+        w = self.weights[k]
+        held = w.grad
+        with torch.no_grad():
+            if held is not None:
+                # NOTE: what .grad holds (no_sync accumulation, zeros kept by zero_grad(set_to_none=False))
+                # goes with the head's part, added in place as AccumulateGrad would.
+                source = held.add_(grad) if grad is not None else held
+                w.grad = None
+            elif grad is None:
+                source = torch.zeros_like(w)
+            else:
+                source = grad if grad.is_contiguous() else grad.contiguous()
+            reducer.mark_ready_with(idx, source)
+        return True
 
     @torch.no_grad()
-    def finish(self, scale: float) -> None:
-        """Adds every rank's lookup rows, times `scale`, into the tied weights' reduced gradients.
-        NOTE: one exchange per lookup, in forward order: the same collectives on every rank."""
-        lookups, self.lookups = self.lookups, []
-        for lk in lookups:
-            if lk.ids._version != lk.ids_version:
-                raise RuntimeError("DistributedDataParallel(tied_embedding_rows=True): the token ids given to the "
-                                   "embedding were modified in place before the end of backward")
-        for lk in lookups:
-            lk.exchanged = True
-            grad = lk.weight.grad
-            if grad is None:
-                grad = lk.weight.grad = torch.zeros_like(lk.weight)
-            counts = lk.host_counts()
-            rows = self._local_rows(lk)
-            if len(counts) * max(counts) > lk.weight.shape[0]:
-                # NOTE: every rank's rows would outweigh the dense gradient (more bytes on the wire and
-                # in memory): all-reduce the lookup's dense gradient instead, torch's tail. Every rank
-                # decides alike (the counts are all-gathered).
-                dense = torch.zeros_like(grad)
-                dense.index_put_((lk.ids,), rows.to(grad.dtype), accumulate=True)
-                self.backend.all_reduce(dense, ReduceOp.SUM)
-                grad.add_(dense, alpha=scale)
-                self.last_exchange = "dense"
+    def before_bucket(self, b) -> None:
+        """Before bucket b's reduction goes out (every rank, in bucket order): for each tied weight
+        in it, all-gather how many rows its lookups touched; read on the host at the end of backward
+        (on CUDA through pinned memory behind an event on a side stream: no stream waits for it, and
+        the host only if the collective has not ended by then)."""
+        for i in b.param_indices:
+            k = self._of_index.get(i)
+            step = self.steps[k] if k is not None else None
+            if step is None:
                 continue
-            ids, rows = self._exchange(lk, counts, rows)
-            grad.index_put_((ids,), rows.to(grad.dtype).mul_(scale), accumulate=True)
-            self.last_exchange = "rows"
+            w = self.weights[k]
+            mask = torch.zeros(w.shape[0], dtype=torch.bool, device=w.device)
+            if step.ids:
+                # NOTE: index_fill_ takes the value as a kernel argument; `mask[ids] = True` copies it
+                # from pageable memory, which synchronizes the stream (12 ms a step on 2xH100 nanoGPT).
+                mask.index_fill_(0, torch.cat(step.ids), True)
+            mine = mask.sum().reshape(1)
+            counts = torch.empty(self.backend.world_size, dtype=torch.int64, device=w.device)
+            work = self.backend.all_gather_into_tensor(counts, mine, async_op=True)
+            ready = None
+            if self.side is not None:
+                self.side.wait_stream(torch.cuda.current_stream(w.device))
+                with torch.cuda.stream(self.side):
+                    work.wait()
+                    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+                    host.copy_(counts, non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record()
+                step.counts = (mask, host, ready, counts, mine)   # the device tensors: alive until read
+            else:
+                work.wait()
+                step.counts = (mask, counts, None)
 
-    @staticmethod
-    def _local_rows(lk: _Lookup) -> torch.Tensor:
-        """This rank's output-gradient rows, one per id (zeros for the padding row's)."""
-        n = lk.ids.numel()
-        if lk.rows is None:                   # the lookup's output did not reach this loss: no gradient
-            rows = lk.weight.new_zeros(n, lk.weight.shape[1])
-        else:
-            rows = lk.rows.reshape(n, lk.weight.shape[1])
-        if lk.padding_idx is not None:        # F.embedding's backward gives the padding row nothing
-            rows = rows.masked_fill((lk.ids == lk.padding_idx).unsqueeze(-1), 0)
-        return rows
+    @torch.no_grad()
+    def finish(self, scale: float, reduced_of) -> None:
+        """For each tied weight: every rank's lookup rows, times `scale`, added into its all-reduced
+        head part, which becomes its .grad. `reduced_of(idx)`: where a diverted weight's all-reduced
+        part lies (None: nothing diverted here; .grad already holds the all-reduced gradient).
+        NOTE: one exchange per weight whose users ran in this step, in order: the same collectives on every rank."""
+        steps, self.steps = self.steps, [None] * len(self.steps)
+        disable, checked = False, self.checked
+        for k, step in enumerate(steps):
+            if step is None or step.counts is None:
+                continue
+            w, idx = self.weights[k], self.index[k]
+            mask, host, ready = step.counts[:3]
+            if ready is not None:
+                ready.synchronize()
+            counts = host.tolist()
+            held = reduced_of(idx)
+            stray = None
+            if held is None:
+                held = w.grad
+            else:
+                stray = w.grad           # what reached the weight past both aliases
+            if held is None:
+                held = torch.zeros_like(w)
+            w.grad = held
+            self._exchange(k, step, mask, counts, held, scale)
+            if not checked:
+                disable = self._first_check(w, stray, held, scale) or disable
+            elif stray is not None:
+                raise RuntimeError("DistributedDataParallel(tied_embedding_rows): the tied weight got a gradient "
+                                   "from outside its head and its embeddings' lookups in this step, which this "
+                                   "path does not reduce (it did not in the first step). Pass "
+                                   "tied_embedding_rows=False")
+        self.checked = True
+        if disable:
+            self.remove()
 
-    def _exchange(self, lk: _Lookup, counts: List[int], rows: torch.Tensor):
-        """(every rank's ids, every rank's rows), each rank's padded to the largest count with id 0
-        and zero rows (adding 0 changes nothing)."""
-        width, n = max(counts), lk.ids.numel()
-        ids = lk.ids
-        if width != n:
-            ids = torch.cat([ids, ids.new_zeros(width - n)])
-            rows = torch.cat([rows, rows.new_zeros(width - n, rows.shape[1])])
+    def _first_check(self, w: torch.Tensor, stray: Optional[torch.Tensor], held: torch.Tensor, scale: float) -> bool:
+        """Once (a host sync): does any rank's weight get a gradient from another user (a functional
+        use of the weight)? Then it is all-reduced here, and the path steps aside for good."""
+        flags = torch.empty(self.backend.world_size, dtype=torch.int32, device=w.device)
+        mine = torch.full((1,), int(stray is not None), dtype=torch.int32, device=w.device)
+        self.backend.all_gather_into_tensor(flags, mine, async_op=True).wait()
+        if not any(flags.tolist()):
+            return False
+        dense = stray if stray is not None else torch.zeros_like(w)
+        self.backend.all_reduce(dense, ReduceOp.SUM)
+        held.add_(dense, alpha=scale)
+        return True
+
+    def _exchange(self, k: int, step: _Step, mask: torch.Tensor, counts: List[int], held: torch.Tensor,
+                  scale: float) -> None:
+        width = max(counts)
+        if width == 0:
+            self.last_exchange = "none"
+            return
+        w, rest = self.weights[k], step.rest
+        if len(counts) * width > w.shape[0]:
+            # NOTE: every rank's rows would outweigh the dense gradient: all-reduce the lookups' densely.
+            dense = rest if rest is not None else torch.zeros_like(w)
+            self.backend.all_reduce(dense, ReduceOp.SUM)
+            held.add_(dense, alpha=scale)
+            self.last_exchange = "dense"
+            return
+        # NOTE: each rank's rows padded to `width` for the all-gather (the padding is never added).
+        ids = torch.nonzero_static(mask, size=width, fill_value=0).reshape(-1)
+        rows = rest.index_select(0, ids) if rest is not None else w.new_zeros(width, w.shape[1])
         world = self.backend.world_size
         all_ids = ids.new_empty(world * width)
         all_rows = rows.new_empty(world * width, rows.shape[1])
-        works = [self.backend.all_gather_into_tensor(all_ids, ids.contiguous(), async_op=True),
-                 self.backend.all_gather_into_tensor(all_rows, rows.contiguous(), async_op=True)]
-        for w in works:
-            w.wait()
-        return all_ids, all_rows
+        works = [self.backend.all_gather_into_tensor(all_ids, ids, async_op=True),
+                 self.backend.all_gather_into_tensor(all_rows, rows, async_op=True)]
+        for work in works:
+            work.wait()
+        # NOTE: rank by rank, in rank order: within a rank's rows the ids are distinct (padding adds
+        # zeros to row 0), so each index_add_ is deterministic and every rank sums alike.
+        for r in range(world):
+            part = slice(r * width, r * width + counts[r])
+            held.index_add_(0, all_ids[part], all_rows[part], alpha=scale)
+        self.last_exchange = "rows"

@@ -104,10 +104,10 @@ class DistributedDataParallel(nn.Module):
     gradient_as_bucket_view: None (default) is True, measured faster (defaults.py): each .grad is
     its bucket's view, the same tensor every step, as in torch with the flag; False is torch's
     default behaviour.
-    tied_embedding_rows (pynccl's own, keyword only, opt-in): a tied embedding's lookup gradient is
-    exchanged as the rows its tokens touched, apart from the head's part (embedding_rows.py);
-    None (default): off, unless PYNCCL_DDP_TIED_EMBEDDING_ROWS=1 (then on for models that have
-    one, stepping aside where a feature needs the plain path; defaults.py); True: on, and such
+    tied_embedding_rows (pynccl's own, keyword only): an LM head tied to an embedding has its part
+    of the gradient all-reduced first and the rest exchanged as rows (embedding_rows.py);
+    None (default): on for models that have one (PYNCCL_DDP_TIED_EMBEDDING_ROWS=0|1 overrides),
+    stepping aside where a feature needs the plain path (defaults.py); True: on, and such
     features raise; False: off.
     """
 
@@ -163,9 +163,9 @@ class DistributedDataParallel(nn.Module):
         self._join = None                    # the active join() context (join.py), if any
         self.reducer = Reducer(named_params, group, self.bucket_bytes_cap, find_unused_parameters,
                                gradient_as_bucket_view, static_graph, comm_paths.resolve(comm_path))
-        embeddings, explicit = defaults.tied_embedding_rows(tied_embedding_rows, module)
-        if embeddings or explicit:          # explicit and none found: TiedEmbeddingRows raises
-            self.reducer.tied_rows = TiedEmbeddingRows(self, embeddings, explicit)
+        heads, explicit = defaults.tied_embedding_rows(tied_embedding_rows, module)
+        if heads or explicit:               # explicit and none found: TiedEmbeddingRows raises
+            self.reducer.tied_rows = TiedEmbeddingRows(self, heads, explicit)
 
     def _tied_rows_refuse_or_drop(self, what: str, why: str, error=RuntimeError) -> None:
         """`what` needs the plain path for the tied weight: asked for outright, refuse; turned on by
@@ -206,7 +206,7 @@ class DistributedDataParallel(nn.Module):
         # before the module and one after. Eager callers skip the ~10 us that costs.
         run = _UNTRACED if torch.compiler.is_compiling() else _PLAIN
         inputs, kwargs, sync = run.pre_forward(self, inputs, kwargs)
-        # tied_embedding_rows: its lookups take the rows path only here (and never traced: off under compile)
+        # tied_embedding_rows: heads read the alias only here (and never traced: off under compile)
         tied = self.reducer.tied_rows if run is _PLAIN else None
         with run.active_ddp_module(self), (tied.forward_window(sync) if tied is not None else _NO_WINDOW):
             output = self.module(*inputs, **kwargs)

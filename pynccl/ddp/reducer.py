@@ -67,7 +67,9 @@ class Reducer:
         self.requested_comm_path = comm_path              # comm_path.py: where the fused buckets' wires live
         self.comm_path = comm_paths.CommPath("default")
         self.overlap = None                               # optimizer_overlap.OptimizerOverlap, if asked for
-        self.tied_rows = None                             # embedding_rows.TiedEmbeddingRows, if asked for
+        self.tied_rows = None                             # embedding_rows.TiedEmbeddingRows, where it applies
+        # Parameters marked ready by mark_ready_with in this backward: index -> what their bucket reduces.
+        self.diverted: dict = {}
         weakref.finalize(self, _deregister, self._registrations)
         self._setup_buckets()
 
@@ -192,7 +194,24 @@ class Reducer:
         if unused:
             unused_ids = {id(p) for p in unused}
             self._locally_unused = {i for i, p in enumerate(self.params) if id(p) in unused_ids}
+        self.diverted = {}
         self.bucketer.prepare_for_backward(unused)
+
+    def mark_ready_with(self, idx: int, source: torch.Tensor) -> None:
+        """Parameter `idx` is ready now, with `source` (not its .grad) as what its bucket reduces;
+        its own gradient hook later in this backward is ignored, and .grad is left alone
+        (embedding_rows.py: the tied weight's head part, reduced before the rest arrives)."""
+        self.diverted[idx] = source
+        self.bucketer.mark_ready_early(idx)
+
+    def _reduced_of(self, idx: int):
+        """Where diverted parameter `idx`'s reduced gradient lies after the write-back (its bucket
+        view, or with copies the diverted tensor itself, unpacked into); None if not diverted."""
+        source = self.diverted.pop(idx, None)
+        if source is None or not self.grad_as_view:
+            return source
+        b = self.bucketer.buckets[self.bucketer._bucket_of[idx]]
+        return b.views()[b.param_indices.index(idx)]
 
     # ------------------------------------------------------------------ reduction
     def _sources(self, b: Bucket) -> List[torch.Tensor]:
@@ -202,12 +221,16 @@ class Reducer:
         (_reduce then skips the copy); a fresh one (grads were set to None) becomes the view here
         and the pack moves it in, so one fused launch on the side stream replaces a copy per
         parameter on the compute stream."""
+        diverted = self.diverted
         if not self.grad_as_view:
-            return [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+            return [diverted[i] if i in diverted else p.grad if p.grad is not None else torch.zeros_like(p)
+                    for i, p in zip(b.param_indices, b.params)]
         sources = []
-        for p, v in zip(b.params, b.views()):
+        for i, p, v in zip(b.param_indices, b.params, b.views()):
             g = p.grad
-            if g is None:
+            if i in diverted:                # .grad is not this bucket's: the diverted tensor is packed in
+                sources.append(diverted[i])
+            elif g is None:
                 v.zero_()
                 sources.append(v)
             elif g.data_ptr() != v.data_ptr():
@@ -241,7 +264,7 @@ class Reducer:
         parameter used here is used), no grad views (nothing to unpack), no overlapped
         optimizer (it writes back and steps on its own stream). Gloo and a user's hook never
         reach the fused call."""
-        if not self.unpack_early or self.grad_as_view or self.overlap is not None:
+        if not self.unpack_early or self.grad_as_view or self.overlap is not None or self.diverted:
             return False
         return self._locally_unused.isdisjoint(b.param_indices) and all(p.grad is not None for p in b.params)
 
@@ -252,6 +275,8 @@ class Reducer:
         NOTE: late by default on CUDA (on the compute stream): unpacks overlapping backward cost more
         than the same copies after it on one H200, and gained nothing on 2xH100 nanoGPT (0.90 early
         against 0.88 late, benchmarks/RESULTS.md)."""
+        if self.tied_rows is not None:                   # before the tied bucket's collective, on every rank
+            self.tied_rows.before_bucket(b)
         sources = self._sources(b)
         early = False
         if self.fused_comm is not None:
@@ -329,7 +354,8 @@ class Reducer:
     def _on_backward_end(self) -> None:
         self._write_back_all()
         if self.tied_rows is not None:                   # after the write-back: adds into the reduced grads
-            self.tied_rows.finish(self.scale)
+            self.tied_rows.finish(self.scale, self._reduced_of)
+        self.diverted = {}
 
     def _write_back_all(self) -> None:
         if self.pack_stream is not None:
@@ -351,7 +377,7 @@ class Reducer:
     def _ensure_grads(self, b: Bucket, unused: set) -> None:
         """A parameter unused here but used elsewhere gets a gradient to receive the result."""
         for i, p, v in zip(b.param_indices, b.params, b.views()):
-            if p.grad is None and i not in unused:
+            if p.grad is None and i not in unused and i not in self.diverted:
                 p.grad = v if self.grad_as_view else torch.zeros_like(p)
 
     def _write_back(self, b: Bucket, reduced, unused: set) -> None:
@@ -365,7 +391,8 @@ class Reducer:
             if reduced is not b.buffer:
                 self.backend.unpack(reduced, b.views(), 1.0)
         else:
-            self.backend.unpack(reduced, [p.grad for p in b.params], 1.0)
+            self.backend.unpack(reduced, [self.diverted.get(i, p.grad) for i, p in zip(b.param_indices, b.params)],
+                                1.0)
 
     def _write_back_skipping(self, b: Bucket, reduced: torch.Tensor, unused: set) -> None:
         """Rare path (some parameter of the bucket went unused on every rank): per tensor."""
@@ -377,4 +404,4 @@ class Reducer:
                 if reduced is not b.buffer:
                     v.copy_(src)
             else:
-                p.grad.copy_(src)
+                self.diverted.get(i, p.grad).copy_(src)
