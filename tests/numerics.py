@@ -27,6 +27,9 @@ ATEN_CPU_CAPABILITY and the thread count change). The model, used by every helpe
 * First order: the differences a step leaves in the parameters change later gradients too; in
   well-conditioned setups (SGD, or AdamW away from noise-level gradients) that is far below the
   rounding bound, and the tests' measured margins (NUMERICS_REPORT=1 prints each bound's use) show it.
+  Where it is not (test_ddp_gpu.py at 4 ranks under AdamW: one element 13x over after 6 steps,
+  session 12), a test compares every step from equal starting points instead: the gradients, then
+  one optimizer step (steps=1), then both sides take the reference's parameters and state.
 
 A bug a test guards (a missed 1/N, a dropped micro-batch, a stale shard) changes a gradient by
 tens of per cent and a step by ~lr: orders of magnitude above these bounds.

@@ -401,6 +401,8 @@ def _torch_semantics(rank, ws):
     assert rows.steps == [None]
     step("a DDP step", lambda m: m(idx, tgt))
     assert rows.last_exchange == "rows"
+    step("int32 token ids", lambda m: m(idx.int(), tgt))
+    assert rows.last_exchange == "rows"
 
     # torch.autograd.grad: the local gradient, head and lookup parts, as torch's (nothing reduced).
     g_ours, = torch.autograd.grad(ours(idx, tgt), [ours.module.wte.weight])

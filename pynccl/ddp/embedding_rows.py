@@ -229,7 +229,7 @@ class TiedEmbeddingRows:
     def divert(self, k: int, part: str, grad: torch.Tensor) -> bool:
         """In backward, with the head's part or a lookup's: take it (True) or leave it to autograd."""
         reducer, idx, step = self.reducer, self.index[k], self.steps[k]
-        if step is None or not reducer.bucketer.armed:
+        if step is None or reducer.tied_rows is not self or not reducer.bucketer.armed:
             return False
         if part == "head" and idx in reducer.diverted:
             return False                   # the weight went out already (a lookup came first): to .grad
@@ -274,7 +274,7 @@ class TiedEmbeddingRows:
             if step.ids:
                 # NOTE: index_fill_ takes the value as a kernel argument; `mask[ids] = True` copies it
                 # from pageable memory, which synchronizes the stream (12 ms a step on 2xH100 nanoGPT).
-                mask.index_fill_(0, torch.cat(step.ids), True)
+                mask.index_fill_(0, torch.cat(step.ids).long(), True)      # F.embedding takes int32 ids too
             mine = mask.sum().reshape(1)
             counts = torch.empty(self.backend.world_size, dtype=torch.int64, device=w.device)
             work = self.backend.all_gather_into_tensor(counts, mine, async_op=True)
