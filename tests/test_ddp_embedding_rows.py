@@ -673,3 +673,76 @@ def _checkpointed(rank, ws, around):
 @pytest.mark.parametrize("around", ["trunk", "everything"])
 def test_activation_checkpointing(around):
     _run(_checkpointed, around=around)
+
+
+def _pair(find_unused=False):
+    """pynccl DDP with its defaults (the tied tail on) and torch DDP, on the same tiny tied LM."""
+    import torch
+    import torch.distributed as tdist
+    import pynccl
+    ours = pynccl.DistributedDataParallel(_model(), find_unused_parameters=find_unused)
+    ref = torch.nn.parallel.DistributedDataParallel(_model(), process_group=tdist.group.WORLD,
+                                                    find_unused_parameters=find_unused)
+    assert ours.reducer.tied_rows is not None and not ours.reducer.tied_rows.explicit
+    return ours, ref
+
+
+def _same_grads(ours, ref, ws, what):
+    from numerics import assert_within
+    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{what}: {name} has a grad on one side only"
+        if q.grad is not None:
+            assert_within(p.grad, q.grad, _grad_rtol(ws, 2 * BATCH * SEQ) * q.grad.abs().max().item(), f"{what}: {name}")
+
+
+def _irregular_steps(rank, ws, case):
+    """Steps torch DDP takes that break the tied tail's usual rhythm (session 13's review), each
+    equal to torch DDP's gradients: two forwards before one backward after a normal step (the
+    later head part joins the rest, which crosses densely); a forward whose backward is skipped,
+    then join() or a hook on the tied weight (the default steps aside); the tied weight frozen
+    mid-training under find_unused_parameters (its .grad stays None); a rank whose forward skips
+    the tied modules under find_unused_parameters (it still joins the exchange: no hang)."""
+    import torch
+    ours, ref = _pair(find_unused=case in ("freeze", "branch"))
+    (i0, t0), (i1, t1), (i2, t2) = _batches(rank, n=3)
+    for m in (ours, ref):
+        m(i0, t0).backward()
+    _same_grads(ours, ref, ws, "first step")
+    for m in (ours, ref):
+        m.zero_grad(set_to_none=True)
+    if case == "two_forwards":
+        for m in (ours, ref):
+            (m(i1, t1) + m(i2, t2)).backward()
+        assert ours.reducer.tied_rows.last_exchange == "dense"
+    elif case in ("stale_join", "stale_hook"):
+        for m in (ours, ref):
+            m(i1, t1)                                   # a forward whose backward is skipped
+        if case == "stale_join":
+            with ours.join(), ref.join():
+                for m in (ours, ref):
+                    m(i2, t2).backward()
+        else:
+            for m in (ours, ref):
+                m.module.wte.weight.register_hook(lambda g: g * 1.0)
+                m(i2, t2).backward()
+        assert ours.reducer.tied_rows is None
+    elif case == "freeze":
+        for m in (ours, ref):
+            m.module.wte.weight.requires_grad_(False)
+            m(i1, t1).backward()
+        assert ours.module.wte.weight.grad is None
+    elif case == "branch":
+        def forward(module, idx, tgt, lm):
+            if lm:
+                return type(module).forward(module, idx, tgt)
+            h = module.wpe(torch.arange(idx.shape[1]))[None]
+            return module.block(h).square().mean()
+        for m in (ours, ref):
+            m.module.forward = lambda idx, tgt, lm, _m=m.module: forward(_m, idx, tgt, lm)
+            m(i1, t1, rank != 1).backward()             # rank 1 never calls the embedding or the head
+    _same_grads(ours, ref, ws, case)
+
+
+@pytest.mark.parametrize("case", ["two_forwards", "stale_join", "stale_hook", "freeze", "branch"])
+def test_irregular_steps_equal_torch_ddp(case):
+    _run(_irregular_steps, case=case)

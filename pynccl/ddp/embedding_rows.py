@@ -32,8 +32,14 @@ both aliases (a functional use of the weight elsewhere) is found in the first st
 sync), all-reduced there, and the path then steps aside for good; appearing only later, it
 raises. Where the aliases leave the gradient to autograd (nothing diverted): torch.autograd.grad
 (nothing accumulates, DDP reduces nothing, as torch's), backward(inputs=...) without the weight,
-a second backward on one forward. A loss that skips the head on some rank: the weight goes out
-when its lookups' gradient arrives there. torch's own forward runs under torch.compile, in
+a second backward on one forward, a frozen weight. A loss that skips the head on some rank: the
+weight goes out when its lookups' gradient arrives there. Several head calls in one step (two
+forwards before one backward): the first head part goes out early, the later ones join the
+lookups' gradient, which then crosses densely (each rank's head call count rides with its row
+count). With find_unused_parameters or static_graph, a rank whose forward skipped the tied
+modules still takes part in the gather and the exchange. With a built-in fp16 / bf16 compress
+hook only the head part is compressed: the rows cross in fp32 (closer to the fp32 sum than
+torch's compressed whole). torch's own forward runs under torch.compile, in
 no_sync(), without grad, in a direct call of ddp.module and under saved-tensor hooks (activation
 checkpointing around the head or the lookup: its gradient then reaches the weight past the
 aliases, so the first step turns the path off); a deep copy or pickled module keeps nothing of
@@ -123,6 +129,7 @@ class _Forward:
         if isinstance(m, nn.Embedding):
             rows.record(self.k, input)
             return F.embedding(input, _Alias.apply(m.weight, rows, self.k, "lookup"), m.padding_idx)
+        rows.steps[self.k].head_calls += 1
         return F.linear(input, _Alias.apply(m.weight, rows, self.k, "head"), m.bias)
 
     def __reduce__(self):
@@ -143,7 +150,8 @@ class _Step:
 
     def __init__(self):
         self.ids: List[torch.Tensor] = []       # every lookup's token ids, flat
-        self.rest: Optional[torch.Tensor] = None  # the lookups' gradient, diverted
+        self.head_calls = 0                     # more than one: a later head part joins the rest, dense
+        self.rest: Optional[torch.Tensor] = None  # the lookups' gradient (and later head parts), diverted
         self.counts = None                      # (mask, counts (pinned on CUDA), event) once gathered
 
 
@@ -177,12 +185,17 @@ class TiedEmbeddingRows:
         # order) does not see a new `forward` each step (dynamo would recompile).
         self._forwards = [(m, _Forward(m, self, k)) for k, (h, es) in enumerate(pairs) for m in [h] + es]
 
+    def _in_backward(self) -> bool:
+        return bool(self.reducer.diverted) or self.reducer.bucketer.in_backward
+
     def remove(self) -> None:
         """Back to torch's path for good (a feature that needs the plain path, where the default
-        turned this path on). Only between steps."""
-        if any(s is not None for s in self.steps) or self.reducer.diverted:
-            raise RuntimeError("DistributedDataParallel: cannot turn tied_embedding_rows off between a forward and "
-                               "its backward; do it before the step")
+        turned this path on). Not while a backward runs; a forward whose backward comes later
+        takes torch's path then (divert refuses once this object is not the reducer's)."""
+        if self._in_backward():
+            raise RuntimeError("DistributedDataParallel: cannot turn tied_embedding_rows off during a backward; do "
+                               "it before the step")
+        self.steps = [None] * len(self.steps)
         self._uninstall()
         self.reducer.tied_rows = None
 
@@ -206,6 +219,8 @@ class TiedEmbeddingRows:
     def may_divert(self, k: int) -> bool:
         """In forward: whether weight k's users read the alias (False: torch's, having stepped aside)."""
         w = self.weights[k]
+        if not w.requires_grad:
+            return False                   # frozen (requires_grad_(False) after DDP was built): torch's path
         why = None
         if w._backward_hooks or len(getattr(w, "_post_accumulate_grad_hooks", None) or ()) > 1:
             why = ("the tied weight has a gradient hook (register_hook or a post-accumulate-grad hook of its own); "
@@ -217,10 +232,11 @@ class TiedEmbeddingRows:
             if self.steps[k] is None:
                 self.steps[k] = _Step()
             return True
-        if not self.explicit and all(s is None for s in self.steps):      # the default: step aside
+        if not self.explicit and not self._in_backward():                # the default: step aside
             self.remove()
             return False
-        raise RuntimeError(f"DistributedDataParallel(tied_embedding_rows=True): {why}")
+        asked = "tied_embedding_rows=True" if self.explicit else "tied_embedding_rows"
+        raise RuntimeError(f"DistributedDataParallel({asked}): {why}")
 
     def record(self, k: int, ids: torch.Tensor) -> None:
         self.steps[k].ids.append(ids.reshape(-1))
@@ -231,14 +247,14 @@ class TiedEmbeddingRows:
         reducer, idx, step = self.reducer, self.index[k], self.steps[k]
         if step is None or reducer.tied_rows is not self or not reducer.bucketer.armed:
             return False
-        if part == "head" and idx in reducer.diverted:
-            return False                   # the weight went out already (a lookup came first): to .grad
         try:
             if not torch._C._will_engine_execute_node(self._accumulators[k]):
                 return False               # backward(inputs=...) without the weight
         except RuntimeError:
             return False                   # torch.autograd.grad: nothing accumulates, nothing to reduce
-        if part == "lookup":
+        if part == "lookup" or idx in reducer.diverted:
+            # NOTE: a head part after the weight went out (a second head call: head_calls > 1, so
+            # the rest crosses densely) joins the lookups' gradient.
             step.rest = grad if step.rest is None else step.rest.add_(grad)
             if idx in reducer.diverted:
                 return True
@@ -266,17 +282,26 @@ class TiedEmbeddingRows:
         the host only if the collective has not ended by then)."""
         for i in b.param_indices:
             k = self._of_index.get(i)
-            step = self.steps[k] if k is not None else None
-            if step is None:
+            if k is None:
                 continue
+            step = self.steps[k]
+            if step is None:
+                if not (self.reducer.find_unused or self.reducer.static_graph):
+                    continue
+                # NOTE: a rank whose forward skipped the tied modules (find_unused_parameters is for
+                # that) still takes part in the gather and the exchange, with nothing of its own.
+                step = self.steps[k] = _Step()
             w = self.weights[k]
             mask = torch.zeros(w.shape[0], dtype=torch.bool, device=w.device)
             if step.ids:
                 # NOTE: index_fill_ takes the value as a kernel argument; `mask[ids] = True` copies it
                 # from pageable memory, which synchronizes the stream (12 ms a step on 2xH100 nanoGPT).
                 mask.index_fill_(0, torch.cat(step.ids).long(), True)      # F.embedding takes int32 ids too
-            mine = mask.sum().reshape(1)
-            counts = torch.empty(self.backend.world_size, dtype=torch.int64, device=w.device)
+            # NOTE: (distinct rows, whether the rest must cross densely: a second head call)
+            # (torch.full passes the flag as a kernel argument: no host-to-device copy, no stream sync)
+            mine = torch.stack([mask.sum(), torch.full((), int(step.head_calls > 1), dtype=torch.int64,
+                                                       device=w.device)])
+            counts = torch.empty(2 * self.backend.world_size, dtype=torch.int64, device=w.device)
             work = self.backend.all_gather_into_tensor(counts, mine, async_op=True)
             ready = None
             if self.side is not None:
@@ -307,7 +332,8 @@ class TiedEmbeddingRows:
             mask, host, ready = step.counts[:3]
             if ready is not None:
                 ready.synchronize()
-            counts = host.tolist()
+            gathered = host.tolist()
+            counts, dense = gathered[0::2], any(gathered[1::2])
             held = reduced_of(idx)
             stray = None
             if held is None:
@@ -315,9 +341,12 @@ class TiedEmbeddingRows:
             else:
                 stray = w.grad           # what reached the weight past both aliases
             if held is None:
+                if max(counts) == 0 and not dense:
+                    self.last_exchange = "none"
+                    continue             # no gradient anywhere: .grad stays None, as torch's
                 held = torch.zeros_like(w)
             w.grad = held
-            self._exchange(k, step, mask, counts, held, scale)
+            self._exchange(k, step, mask, counts, held, scale, dense)
             if not checked:
                 disable = self._first_check(w, stray, held, scale) or disable
             elif stray is not None:
@@ -343,13 +372,13 @@ class TiedEmbeddingRows:
         return True
 
     def _exchange(self, k: int, step: _Step, mask: torch.Tensor, counts: List[int], held: torch.Tensor,
-                  scale: float) -> None:
+                  scale: float, dense: bool) -> None:
         width = max(counts)
-        if width == 0:
+        if width == 0 and not dense:
             self.last_exchange = "none"
             return
         w, rest = self.weights[k], step.rest
-        if len(counts) * width > w.shape[0]:
+        if dense or len(counts) * width > w.shape[0]:
             # NOTE: every rank's rows would outweigh the dense gradient: all-reduce the lookups' densely.
             dense = rest if rest is not None else torch.zeros_like(w)
             self.backend.all_reduce(dense, ReduceOp.SUM)
