@@ -59,8 +59,8 @@ def place_wires(buckets, group, requested: str) -> CommPath:
         return CommPath("default")
     support = symmetric_support(group)
     want = requested
-    if requested == "auto":
-        want = DEFAULT_PATH if support.copy_engine or DEFAULT_PATH != "copy_engine" else "symmetric"
+    if requested == "auto":                      # DEFAULT_PATH, or symmetric where NCCL has no copy engine
+        want = DEFAULT_PATH if support.copy_engine else "symmetric"
     if want == "copy_engine" and support.available and not support.copy_engine:
         return _fallback(requested, "default", "the communicator has no copy-engine collectives "
                          "(needs NCCL >= 2.28 and cta_policy=2, pynccl's default there)")

@@ -173,7 +173,6 @@ class TiedEmbeddingRows:
         self.embeddings = [e for _, e in pairs]
         self.weights = [h.weight for h in self.heads]
         self.index = [self.reducer.bucketer._index_of[id(w)] for w in self.weights]
-        self._of_index = {i: k for k, i in enumerate(self.index)}
         # NOTE: the weights' AccumulateGrad nodes, held so they stay the ones autograd uses; divert
         # asks whether the running backward will execute them (it does not in torch.autograd.grad).
         self._accumulators = [w.view_as(w).grad_fn.next_functions[0][0] for w in self.weights]
@@ -280,9 +279,9 @@ class TiedEmbeddingRows:
         in it, all-gather how many rows its lookups touched; read on the host at the end of backward
         (on CUDA through pinned memory behind an event on a side stream: no stream waits for it, and
         the host only if the collective has not ended by then)."""
-        for i in b.param_indices:
-            k = self._of_index.get(i)
-            if k is None:
+        bucket_of = self.reducer.bucketer._bucket_of
+        for k, i in enumerate(self.index):       # NOTE: the tied weights (one, usually), not the bucket's params
+            if bucket_of[i] != b.index:
                 continue
             step = self.steps[k]
             if step is None:
