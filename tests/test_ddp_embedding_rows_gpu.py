@@ -60,6 +60,62 @@ def _against_torch(rank, ws):
     return True
 
 
+def _captured_after_tied_steps(rank, ws):
+    """The default constructor on the tied LM: 3 eager steps on a side stream (the tail acts), then
+    the step captured in a CUDA graph (the tail steps aside) and replayed, against torch DDP eager on
+    the same batches. Session 14: the path kept the weight's AccumulateGrad node alive from
+    construction, so autograd made the capturing stream wait for the legacy stream and capture failed
+    (cudaErrorStreamCaptureImplicit)."""
+    import torch.distributed as tdist
+    import pynccl
+    from numerics import assert_within, record_grad_scale, trained_atol
+
+    device = pynccl.get_device()
+    torch_pg = tdist.new_group(backend="nccl")
+    data = [(i.to(device), t.to(device)) for i, t in _batches(rank, n=6)]
+    ours = pynccl.DistributedDataParallel(_model().to(device), bucket_cap_mb=0.001)
+    ref = torch.nn.parallel.DistributedDataParallel(_model().to(device), process_group=torch_pg, bucket_cap_mb=0.001)
+    o_ours, o_ref = torch.optim.SGD(ours.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    scale = {}
+    for idx, tgt in data:
+        o_ref.zero_grad(set_to_none=True)
+        ref(idx, tgt).backward()
+        record_grad_scale(ref.module.parameters(), scale)
+        o_ref.step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for idx, tgt in data[:3]:
+            o_ours.zero_grad(set_to_none=True)
+            ours(idx, tgt).backward()
+            assert ours.reducer.tied_rows.last_exchange == "rows"
+            o_ours.step()
+    torch.cuda.current_stream().wait_stream(side)
+    static_idx, static_tgt = data[3][0].clone(), data[3][1].clone()
+    o_ours.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ours(static_idx, static_tgt).backward()
+        o_ours.step()
+    assert ours.reducer.tied_rows is None            # stepped aside at capture
+    for idx, tgt in data[3:]:
+        static_idx.copy_(idx)
+        static_tgt.copy_(tgt)
+        graph.replay()
+    torch.cuda.synchronize()
+    rtol = _grad_rtol(ws, BATCH * SEQ)
+    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+        assert_within(p, q, trained_atol(o_ref, q, rtol, scale.get(q), len(data)), f"captured {name}")
+    return True
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_tied_model_captured_after_eager_steps():
+    assert run_multiprocess(_captured_after_tied_steps, 2, backend="nccl", start_method="spawn",
+                            timeout=300) == [True, True]
+
+
 @pytest.mark.multigpu
 @needs_2_gpus
 def test_tied_embedding_rows_equal_torch_ddp_on_nccl():
