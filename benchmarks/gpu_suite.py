@@ -108,11 +108,11 @@ def groups(n):
         "ddpdefaults": [("ddpdefaults_tests", 150, f"{tests} tests/test_ddp_embedding_rows_gpu.py tests/test_ddp_gpu.py"),
                         ("ddpdefaults_nano", 150, _torchrun(n, "benchmarks/ddp_bench.py", "--model nanogpt-124m "
                                                             "--steps 8 --repeats 3 --warmup 3 --no-diagnostics --levers "
-                                                            "pack-scale rows-plain-buffers views+plain-tied+copy-engine comm-symmetric "
+                                                            "rows-plain-buffers views+plain-tied+copy-engine comm-symmetric "
                                                             "--json {out}/ddpdefaults_nano.json")),
                         ("ddpdefaults_medium", 200, _torchrun(n, "benchmarks/ddp_bench.py", f"--model "
                                                               f"hf-gpt2-medium --steps 5 --repeats 2 --warmup 2 "
-                                                              f"--no-diagnostics {NOGRAPH} --levers pack-scale rows-plain-buffers "
+                                                              f"--no-diagnostics {NOGRAPH} --levers rows-plain-buffers "
                                                               f"views+plain-tied+copy-engine comm-symmetric "
                                                               f"--json {{out}}/ddpdefaults_medium.json")),
                         ("ddpdefaults_trainpy", 240, f"python3 benchmarks/nanogpt_swap.py --nproc {n} --variants "

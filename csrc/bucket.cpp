@@ -93,18 +93,6 @@ void BucketCopy::launch_as(cudaStream_t stream, bool to_flat, double scale) cons
   flush();
 }
 
-bool BucketCopy::aliased() const {
-  if (tensor_type_ != flat_type_ || static_cast<ElemType>(flat_type_) == ElemType::kBytes) return false;
-  const char* const flat_bytes = static_cast<const char*>(flat_.data_ptr());
-  const int64_t flat_elem = static_cast<int64_t>(flat_.element_size());
-  int64_t offset = 0;
-  for (const auto& t : tensors_) {
-    if (t.numel() > 0 && t.data_ptr() != flat_bytes + offset * flat_elem) return false;
-    offset += t.numel();
-  }
-  return true;
-}
-
 namespace {
 
 void copy_on_current_stream(const char* fn, const std::vector<at::Tensor>& tensors, const at::Tensor& flat,

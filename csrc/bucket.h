@@ -26,9 +26,6 @@ class BucketCopy {
   void launch(cudaStream_t stream) const { launch_as(stream, to_flat_, scale_); }
   // The copy the other way, scale 1: the unpack of what a pack wrote (the checks are the same).
   void launch_back(cudaStream_t stream) const { launch_as(stream, !to_flat_, 1.0); }
-  // Whether every tensor already is its segment of flat, in flat's floating dtype (DDP's bucket
-  // views): the pack is then only the scale.
-  bool aliased() const;
 
  private:
   void launch_as(cudaStream_t stream, bool to_flat, double scale) const;

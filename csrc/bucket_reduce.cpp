@@ -5,12 +5,6 @@
 //   pack stream:   waits for the caller's stream; packs grads into flat (scale and cast fused)
 //   comm stream:   waits for the pack stream; all-reduces flat (SUM), async; or, split, a
 //                  reduce-scatter then an all-gather (copy engines on symmetric memory)
-//
-// Split, with grads that already are flat's segments (bucket views), there is nothing to pack:
-// the scale is applied to this rank's reduced shard between the reduce-scatter and the
-// all-gather instead (1/N of the bytes, on the comm stream; session 14: the in-place scale of
-// whole buckets was 0.45 ms of memory traffic per nanoGPT step beside backward). (g0 + g1) / N
-// equals g0 / N + g1 / N exactly where N is a power of two; otherwise within one rounding.
 //   unpack stream: (optional) waits for the collective; copies flat back into grads (scale 1),
 //                  so that the caller's end of backward only joins streams (issue 26)
 //
@@ -63,13 +57,10 @@ std::vector<at::Tensor> grads_in_range(const std::vector<at::Tensor>& grads, int
 
 std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>& grads, const at::Tensor& flat,
                                                   double scale, int64_t pack_stream, bool split_all_reduce,
-                                                  int64_t unpack_stream, int64_t chunks, bool scale_shard) {
+                                                  int64_t unpack_stream, int64_t chunks) {
   static const char* const kFn = "reduce_bucket";
   // Every check before anything is enqueued (the unpack's are the pack's: same tensors, casts back).
-  const BucketCopy checked(kFn, grads, flat, scale, /*to_flat=*/true);
-  const bool post_scale = scale_shard && split_all_reduce && scale != 1.0 && checked.aliased();
-  const double pack_scale = post_scale ? 1.0 : scale;  // 1 on aliased views: the pack is the identity, skipped
-  const BucketCopy pack_all(kFn, grads, flat, pack_scale, /*to_flat=*/true);
+  const BucketCopy pack_all(kFn, grads, flat, scale, /*to_flat=*/true);
   PYNCCL_CHECK_VALUE(pack_stream != 0, kFn,
                     ": pack_stream must be a side stream (torch.cuda.Stream.cuda_stream), not the legacy default "
                     "stream (0)");
@@ -103,7 +94,7 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
     const at::Tensor slice = whole ? flat : flat.narrow(0, lo, hi - lo);
     const std::vector<at::Tensor> parts = whole ? std::vector<at::Tensor>() : grads_in_range(grads, lo, hi);
     std::optional<BucketCopy> part_copy;  // a slice of the bucket: its own (new) tensor views
-    const BucketCopy& copy = whole ? pack_all : part_copy.emplace(kFn, parts, slice, pack_scale, /*to_flat=*/true);
+    const BucketCopy& copy = whole ? pack_all : part_copy.emplace(kFn, parts, slice, scale, /*to_flat=*/true);
     copy.launch(packer);
     order_after(comm, packer);  // this chunk's collective after its pack
     char* const base = static_cast<char*>(t.ptr) + static_cast<size_t>(lo) * elem_bytes;
@@ -120,11 +111,6 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
       // ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
       //                                ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
       PYNCCL_CHECK_NCCL_OP(scope, ncclReduceScatter(base, mine, chunk, t.type, ncclSum, comm_, comm));
-      if (post_scale) {
-        const int64_t shard = (hi - lo) / world_size_;
-        const c10::cuda::CUDAStreamGuard on_comm(c10::cuda::getStreamFromExternal(comm, device));
-        flat.narrow(0, lo + shard * rank_, shard).mul_(scale);
-      }
       // ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
       //                            ncclComm_t comm, cudaStream_t stream);
       PYNCCL_CHECK_NCCL_OP(scope, ncclAllGather(mine, base, chunk, t.type, comm_, comm));

@@ -28,7 +28,6 @@ class Lever:
     overlap_optimizer: bool = False             # DDP.overlap_optimizer: the step per bucket, in backward
     unpack_early: Optional[bool] = None         # reducer.unpack_early (None: the default)
     tail_chunks: int = 1                        # reducer.tail_chunks: the last bucket pipelined in slices
-    scale_shard: Optional[bool] = None          # reducer.scale_shard (None: the default)
     rows_in_window: Optional[bool] = None       # reducer.tied_rows.rows_in_window (None: the default)
 
 
@@ -94,10 +93,6 @@ LEVERS = {lv.name: lv for lv in [
     Lever("views+plain-tied+copy-engine", "session 13's defaults without the tied tail: gradient_as_bucket_view=True, "
           "tied_embedding_rows=False, comm_path='copy_engine'",
           ddp_kwargs=dict(gradient_as_bucket_view=True, tied_embedding_rows=False, comm_path="copy_engine")),
-    # Session 14: the copy-engine buckets' 1/N scale moved from the pack (the whole bucket, beside
-    # backward) to this rank's reduced shard (reducer.scale_shard, the default): this lever undoes it.
-    Lever("pack-scale", "reducer.scale_shard=False: each copy-engine bucket scaled by 1/N in place before it goes "
-          "out (sessions 12-13), not its reduced shard", scale_shard=False),
     Lever("rows-plain-buffers", "the tied tail's rows all-gathered through ordinary buffers (ring kernels), not "
           "the symmetric window of session 14 (copy engines)", rows_in_window=False),
     Lever("unpack-early-tail4", "unpack-early, and the last bucket's pack / all-reduce / unpack pipelined over 4 "
@@ -124,7 +119,7 @@ def unavailable(lever: Lever) -> Optional[str]:
     """Why `lever` cannot run in this process (the runtime NCCL is too old), or None."""
     if lever.min_nccl > (2, 18, 0) or lever.nccl_env or lever.register_buffers or lever.comm_prio0 or \
             "comm_path" in lever.ddp_kwargs or lever.unpack_early is not None or lever.tail_chunks != 1 or \
-            lever.scale_shard is not None or lever.rows_in_window is not None:
+            lever.rows_in_window is not None:
         if not pynccl.is_initialized() or pynccl.get_backend() != "nccl":
             return "needs the nccl backend"
         version = pynccl.nccl_version()          # the headers pynccl was built with and the library loaded
@@ -168,8 +163,6 @@ def apply(ddp, lever: Lever) -> None:
     if lever.unpack_early is not None:
         ddp.reducer.unpack_early = lever.unpack_early
     ddp.reducer.tail_chunks = lever.tail_chunks
-    if lever.scale_shard is not None:
-        ddp.reducer.scale_shard = lever.scale_shard
     if lever.rows_in_window is not None and ddp.reducer.tied_rows is not None:
         ddp.reducer.tied_rows.rows_in_window = lever.rows_in_window
     if lever.hook is not None:

@@ -191,9 +191,11 @@ class TiedEmbeddingRows:
         self.side = torch.cuda.Stream(ddp.device) if ddp.device.type == "cuda" else None
         self.group = ddp.process_group
         # NOTE: per weight, the rows' all-gather buffer in an NCCL symmetric window (made at the first
-        # exchange, collectively; False where the group has none): the gather then runs on the copy
-        # engines (or NCCL's symmetric kernels) instead of a ring kernel beside the next step's work.
-        # Off: ordinary buffers (benchmarks/ddp_bench_lib/levers.py's lever "rows-plain-buffers").
+        # rows exchange, collectively; False where the group has none): the gather then runs on the
+        # copy engines (or NCCL's symmetric kernels) instead of a ring kernel. Its vocabulary x width
+        # values stay allocated while the path is on (counted by train_bench's peak, not by
+        # torch.cuda.max_memory_allocated). Off (every rank alike: the choice is not agreed on):
+        # ordinary buffers (benchmarks/ddp_bench_lib/levers.py's lever "rows-plain-buffers").
         self.rows_in_window = True
         self._windows: List[object] = [None] * len(pairs)
         # NOTE: made once: the same objects at every install, so a model compiled inside DDP (nanoGPT's
@@ -382,8 +384,8 @@ class TiedEmbeddingRows:
         """Weight k's (world x vocabulary / world, width) rows buffer in a symmetric window, made at
         its first exchange (every rank exchanges then: a collective), or None (off, not CUDA, or
         the group has no windows: decided alike on every rank)."""
-        if not self.rows_in_window:
-            return None
+        if not self.rows_in_window or self.reducer.comm_path.name == "default":
+            return None                    # NOTE: comm_path="default" asked for ordinary buffers
         if self._windows[k] is None:
             w, world = self.weights[k], self.backend.world_size
             cap = w.shape[0] // world        # the most rows a rank sends: more cross densely

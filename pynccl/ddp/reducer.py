@@ -59,9 +59,6 @@ class Reducer:
         self.unpack_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.unpack_early = False        # _unpacks_early; off: no gain in the A/B of issue 26 (RESULTS, s9)
         self.tail_chunks = 1             # the fused last bucket's pack/all-reduce/unpack pipelined in slices
-        # Split (copy-engine) buckets over their own views: the 1/N scale on this rank's reduced
-        # shard, not on the whole bucket before it goes out (bucket_reduce.cpp; off: the pack's scale)
-        self.scale_shard = True
         self.retired_windows: List[torch.Tensor] = []   # embedding_rows.py's, freed outside a capture
         # The communicator that runs a whole bucket in one C++ call (see _fused_comm), or None.
         self.fused_comm = None
@@ -292,7 +289,7 @@ class Reducer:
             work = self.fused_comm.reduce_bucket(sources, b.extra["wire"], self.scale, self.pack_stream.cuda_stream,
                                                  self.comm_path.split_all_reduce,
                                                  self.unpack_stream.cuda_stream if early else 0,
-                                                 self.tail_chunks if last else 1, self.scale_shard)
+                                                 self.tail_chunks if last else 1)
             handle = comm_hooks._Pending(work, b.extra["result"])
         elif self.pack_stream is not None:
             # The same through Python: pack on the side stream, the hook's collective after it.
