@@ -755,3 +755,41 @@ def _irregular_steps(rank, ws, case):
 @pytest.mark.parametrize("case", ["two_forwards", "stale_join", "stale_hook", "freeze", "branch"])
 def test_irregular_steps_equal_torch_ddp(case):
     _run(_irregular_steps, case=case)
+
+
+def _rows_through_a_window(rank, ws, comm_path):
+    """The exchange's window branch (on CUDA an NCCL symmetric window: this rank's rows written into
+    its own slot, then the all-gather in place) on gloo, with the window stood in by an ordinary
+    tensor full of NaN (a row read from outside what was written poisons the gradient): equal to
+    torch DDP's gradients every step. With comm_path "default" no window is made."""
+    from unittest import mock
+    import torch
+    from pynccl.ddp.comm_path import CommPath
+    made = []
+
+    def window(group, sizes):
+        (numel, dtype), = sizes
+        made.append(torch.full((numel,), float("nan"), dtype=dtype))
+        return [made[-1]]
+
+    with mock.patch("pynccl.ddp.embedding_rows.alloc_symmetric", window):
+        ours, ref = _pair()
+        for step, (idx, tgt) in enumerate(_batches(rank, seq=SEQ - rank, n=3)):   # uneven counts
+            for m in (ours, ref):
+                m.zero_grad(set_to_none=True)
+            loss = ours(idx, tgt)
+            ours.reducer.comm_path = CommPath(comm_path)    # after the forward: a rebuild resets it on gloo
+            loss.backward()
+            ref(idx, tgt).backward()
+            assert ours.reducer.tied_rows.last_exchange == "rows"
+            _same_grads(ours, ref, ws, f"{comm_path} step {step}")
+    if comm_path == "default":
+        assert not made
+    else:
+        assert len(made) == 1 and made[0].numel() == ws * (VOCAB // ws) * DIM
+        assert not torch.isnan(made[0]).all()              # the rows went through it
+
+
+@pytest.mark.parametrize("comm_path", ["copy_engine", "default"])
+def test_rows_through_a_symmetric_window_stand_in(comm_path):
+    _run(_rows_through_a_window, comm_path=comm_path)

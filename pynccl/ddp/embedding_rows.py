@@ -389,7 +389,7 @@ class TiedEmbeddingRows:
         if self._windows[k] is None:
             w, world = self.weights[k], self.backend.world_size
             cap = w.shape[0] // world        # the most rows a rank sends: more cross densely
-            bufs = alloc_symmetric(self.group, [(world * cap * w.shape[1], w.dtype)]) if w.is_cuda else None
+            bufs = alloc_symmetric(self.group, [(world * cap * w.shape[1], w.dtype)])   # None without NCCL windows
             self._windows[k] = bufs[0].view(world * cap, w.shape[1]) if bufs else False
         window = self._windows[k]
         return window if isinstance(window, torch.Tensor) else None
