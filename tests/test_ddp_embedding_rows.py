@@ -757,13 +757,16 @@ def test_irregular_steps_equal_torch_ddp(case):
     _run(_irregular_steps, case=case)
 
 
-def _rows_through_a_window(rank, ws, comm_path):
+def _rows_through_a_window(rank, ws, comm_path, hf=False):
     """The exchange's window branch (on CUDA an NCCL symmetric window: this rank's rows written into
     its own slot, then the all-gather in place) on gloo, with the window stood in by an ordinary
     tensor full of NaN (a row read from outside what was written poisons the gradient): equal to
-    torch DDP's gradients every step. With comm_path "default" no window is made."""
+    torch DDP's gradients every step, on the tiny tied LM and on HF's GPT2LMHeadModel. With
+    comm_path "default" no window is made."""
     from unittest import mock
     import torch
+    import torch.distributed as tdist
+    import pynccl
     from pynccl.ddp.comm_path import CommPath
     made = []
 
@@ -773,14 +776,19 @@ def _rows_through_a_window(rank, ws, comm_path):
         return [made[-1]]
 
     with mock.patch("pynccl.ddp.embedding_rows.alloc_symmetric", window):
-        ours, ref = _pair()
+        if hf:
+            ours = pynccl.DistributedDataParallel(_hf_gpt2())
+            ref = torch.nn.parallel.DistributedDataParallel(_hf_gpt2(), process_group=tdist.group.WORLD)
+            assert ours.reducer.tied_rows is not None
+        else:
+            ours, ref = _pair()
         for step, (idx, tgt) in enumerate(_batches(rank, seq=SEQ - rank, n=3)):   # uneven counts
             for m in (ours, ref):
                 m.zero_grad(set_to_none=True)
-            loss = ours(idx, tgt)
+            loss = _loss(ours, idx, tgt, hf)
             ours.reducer.comm_path = CommPath(comm_path)    # after the forward: a rebuild resets it on gloo
             loss.backward()
-            ref(idx, tgt).backward()
+            _loss(ref, idx, tgt, hf).backward()
             assert ours.reducer.tied_rows.last_exchange == "rows"
             _same_grads(ours, ref, ws, f"{comm_path} step {step}")
     if comm_path == "default":
@@ -790,6 +798,7 @@ def _rows_through_a_window(rank, ws, comm_path):
         assert not torch.isnan(made[0]).all()              # the rows went through it
 
 
-@pytest.mark.parametrize("comm_path", ["copy_engine", "default"])
-def test_rows_through_a_symmetric_window_stand_in(comm_path):
-    _run(_rows_through_a_window, comm_path=comm_path)
+@pytest.mark.numerics
+@pytest.mark.parametrize("comm_path,hf", [("copy_engine", False), ("copy_engine", True), ("default", False)])
+def test_rows_through_a_symmetric_window_stand_in(comm_path, hf):
+    _run(_rows_through_a_window, comm_path=comm_path, hf=hf)

@@ -177,7 +177,8 @@ class TiedEmbeddingRows:
             raise ValueError("DistributedDataParallel: tied_embedding_rows=True but the module has no nn.Linear "
                              "(the LM head) whose weight only nn.Embedding modules with torch's own forward also "
                              "register; nothing to do")
-        self.backend = ddp.process_group.backend
+        self.group = ddp.process_group
+        self.backend = self.group.backend
         self.rank = int(ddp.process_group.group_rank)
         self.reducer = ddp.reducer
         self.explicit = explicit              # asked for outright: refuse what needs the plain path (defaults.py)
@@ -189,7 +190,6 @@ class TiedEmbeddingRows:
         self.checked = False                  # the first exchange agreed that nothing else uses the weights
         self.last_exchange = None             # "rows", "dense" or "none": how the last lookups' gradient crossed
         self.side = torch.cuda.Stream(ddp.device) if ddp.device.type == "cuda" else None
-        self.group = ddp.process_group
         # NOTE: per weight, the rows' all-gather buffer in an NCCL symmetric window (made at the first
         # rows exchange, collectively; False where the group has none): the gather then runs on the
         # copy engines (or NCCL's symmetric kernels) instead of a ring kernel. Its vocabulary x width
