@@ -4,7 +4,9 @@
 //
 //   pack stream:   waits for the caller's stream; packs grads into flat (scale and cast fused)
 //   comm stream:   waits for the pack stream; all-reduces flat (SUM), async; or, split, a
-//                  reduce-scatter then an all-gather (copy engines on symmetric memory)
+//                  reduce-scatter then an all-gather (copy engines on symmetric memory); or,
+//                  split with `scratch`, the reduce-scatter as an all-to-all into scratch (copy
+//                  engines on symmetric memory) and one local sum of the world slices it holds
 //   unpack stream: (optional) waits for the collective; copies flat back into grads (scale 1),
 //                  so that the caller's end of backward only joins streams (issue 26)
 //
@@ -13,9 +15,18 @@
 // k's unpack overlaps chunk k+1's collective (meant for a big last bucket, whose collective and
 // unpack are otherwise exposed after backward). Every element is still reduced once, by SUM.
 //
+// Why the all-to-all form (issue 26, session 15): on 4xH100 a 28 MB bucket's symmetric
+// reduce-scatter (ReduceScatter_LD) ran 1.2 ms beside backward's GEMMs, against 0.07 ms for the
+// copy-engine all-gather of the same bytes: its few CTAs wait for SMs on every rank and for each
+// other at every barrier, so the comm stream fell behind backward and its backlog ran after it.
+// The copy engines move the bytes with no SM; the sum is one short memory-bound kernel that
+// waits for no peer. Each rank sums its own shard in rank order (deterministic), then the
+// all-gather hands every rank the same values.
+//
 // Nothing here blocks the host. The returned Work's wait() orders the caller's stream after the
 // collective and the unpack (the comm stream joins the unpack stream before the Work's event);
 // the Work keeps flat and, with an unpack, grads alive until then.
+#include <ATen/ops/sum.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -26,6 +37,7 @@
 #include "check.h"
 #include "communicator.h"
 #include "dtypes.h"
+#include "nccl_api.h"
 #include "op_helpers.h"
 
 namespace pynccl {
@@ -57,7 +69,8 @@ std::vector<at::Tensor> grads_in_range(const std::vector<at::Tensor>& grads, int
 
 std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>& grads, const at::Tensor& flat,
                                                   double scale, int64_t pack_stream, bool split_all_reduce,
-                                                  int64_t unpack_stream, int64_t chunks) {
+                                                  int64_t unpack_stream, int64_t chunks,
+                                                  const std::optional<at::Tensor>& scratch) {
   static const char* const kFn = "reduce_bucket";
   // Every check before anything is enqueued (the unpack's are the pack's: same tensors, casts back).
   const BucketCopy pack_all(kFn, grads, flat, scale, /*to_flat=*/true);
@@ -68,6 +81,19 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
   PYNCCL_CHECK_VALUE(!split_all_reduce || flat.numel() % world_size_ == 0, kFn, ": split_all_reduce needs flat's ",
                      flat.numel(), " elements to be a multiple of world_size(", world_size_, ")");
   const TensorArg t = check_tensor(kFn, "flat", flat, device_);
+  const bool all_to_all = scratch.has_value() && scratch->defined();
+  if (all_to_all) {
+    PYNCCL_CHECK_VALUE(split_all_reduce, kFn, ": scratch (the all-to-all form of the reduce-scatter) needs "
+                       "split_all_reduce=True");
+    PYNCCL_CHECK_VALUE(optional_nccl_api().alltoall != nullptr, kFn, ": scratch needs ncclAlltoAll (NCCL >= 2.28), "
+                       "the loaded library is ", nccl_version_string(nccl_runtime_version()));
+    check_tensor(kFn, "scratch", *scratch, device_);
+    PYNCCL_CHECK_TYPE(scratch->scalar_type() == flat.scalar_type(), kFn, ": scratch has dtype ",
+                      scratch->scalar_type(), ", flat has ", flat.scalar_type(), "; they must match");
+    PYNCCL_CHECK_VALUE(scratch->numel() >= std::min<int64_t>(flat.numel(), kChunkAlignElements * world_size_), kFn,
+                       ": scratch has ", scratch->numel(), " elements; it needs at least min(flat's ", flat.numel(),
+                       ", 256 x world_size = ", kChunkAlignElements * world_size_, ")");
+  }
   check_usable(kFn);
   const auto device = static_cast<c10::DeviceIndex>(device_);
   c10::cuda::CUDAGuard guard(device);
@@ -85,7 +111,11 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
   const cudaStream_t comm = scope.stream();
   const int64_t align = kChunkAlignElements * world_size_;
   const int64_t numel = flat.numel();
-  const int64_t step = chunks == 1 ? numel : std::max(align, (numel / chunks + align - 1) / align * align);
+  int64_t step = chunks == 1 ? numel : std::max(align, (numel / chunks + align - 1) / align * align);
+  if (all_to_all && step > scratch->numel()) {
+    step = std::max(align, scratch->numel() / align * align);  // a bigger bucket goes through scratch in slices
+  }
+  const c10::cuda::CUDAStream comm_torch = c10::cuda::getStreamFromExternal(comm, device);
   const int64_t elem_count = t.numel == 0 ? 1 : static_cast<int64_t>(t.count) / t.numel;  // NCCL elements per element
   const size_t elem_bytes = static_cast<size_t>(flat.element_size());
   for (int64_t lo = 0; lo < numel || lo == 0; lo += step) {
@@ -108,9 +138,23 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
       void* const mine = base + chunk * static_cast<size_t>(rank_) * (t.num_bytes / t.count);
       // NOTE: two calls, not one NCCL group: the all-gather reads what the reduce-scatter wrote,
       // and only stream order guarantees that.
-      // ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
-      //                                ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
-      PYNCCL_CHECK_NCCL_OP(scope, ncclReduceScatter(base, mine, chunk, t.type, ncclSum, comm_, comm));
+      if (all_to_all) {
+        // ncclResult_t ncclAlltoAll(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+        //                           ncclComm_t comm, cudaStream_t stream);
+        PYNCCL_CHECK_NCCL_OP(scope, optional_nccl_api().alltoall(base, scratch->data_ptr(), chunk, t.type, comm_, comm));
+        // scratch now holds every rank's copy of this rank's shard, rank after rank: their sum
+        // (in rank order; fp32 accumulation for 16-bit types) is the reduced shard.
+        const int64_t shard = (hi - lo) / world_size_;
+        at::Tensor out = slice.narrow(0, shard * rank_, shard);
+        const c10::cuda::CUDAStreamGuard on_comm(comm_torch);
+        const int64_t rank_dim[] = {0};
+        at::sum_out(out, scratch->narrow(0, 0, hi - lo).view({world_size_, shard}), at::IntArrayRef(rank_dim));
+      } else {
+        // ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
+        //                                ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+        //                                cudaStream_t stream);
+        PYNCCL_CHECK_NCCL_OP(scope, ncclReduceScatter(base, mine, chunk, t.type, ncclSum, comm_, comm));
+      }
       // ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
       //                            ncclComm_t comm, cudaStream_t stream);
       PYNCCL_CHECK_NCCL_OP(scope, ncclAllGather(mine, base, chunk, t.type, comm_, comm));
@@ -126,6 +170,7 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
     for (const auto& g : grads) scope.keep_alive(g);
   }
   scope.keep_alive(flat);
+  if (all_to_all) scope.keep_alive(*scratch);
   return scope.finish();
 }
 

@@ -46,6 +46,15 @@ ncclConfig_t make_config(CommOptions& options) {
   const int min_ctas = env_int("PYNCCL_NCCL_MIN_CTAS", options.min_ctas);
   const int max_ctas = env_int("PYNCCL_NCCL_MAX_CTAS", options.max_ctas);
   if (cga_cluster_size >= 0) config.cgaClusterSize = cga_cluster_size;
+  // NOTE: checked here, before NCCL sees them: NCCL 2.28.9 rejects minCTAs without maxCTAs (it
+  // compares against the unset value), and a split it rejects this way leaves the parent holding
+  // freed memory (its child abort flag; init.cc's ncclCommInitChildComm), which crashed a process
+  // at exit (session 15, 4xH100, PYNCCL_NCCL_MIN_CTAS=16 alone).
+  PYNCCL_CHECK_VALUE(min_ctas <= 0 || max_ctas > 0, "minCTAs ", min_ctas,
+                     " (min_ctas= or PYNCCL_NCCL_MIN_CTAS) needs maxCTAs as well (max_ctas= or PYNCCL_NCCL_MAX_CTAS): "
+                     "NCCL rejects one without the other");
+  PYNCCL_CHECK_VALUE(min_ctas <= 0 || min_ctas <= max_ctas, "minCTAs ", min_ctas, " is above maxCTAs ", max_ctas,
+                     " (min_ctas=/max_ctas= or PYNCCL_NCCL_MIN_CTAS/PYNCCL_NCCL_MAX_CTAS)");
   if (min_ctas > 0) config.minCTAs = min_ctas;
   if (max_ctas > 0) config.maxCTAs = max_ctas;
   const int cta_policy = cta_policy_from_env(options.cta_policy);

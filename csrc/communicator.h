@@ -180,7 +180,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // and unpack over that many slices of flat (aligned to 256 x world_size elements).
   std::shared_ptr<Work> reduce_bucket(const std::vector<at::Tensor>& grads, const at::Tensor& flat, double scale,
                                       int64_t pack_stream, bool split_all_reduce = false, int64_t unpack_stream = 0,
-                                      int64_t chunks = 1);
+                                      int64_t chunks = 1, const std::optional<at::Tensor>& scratch = std::nullopt);
 
   // --- NCCL user-buffer registration (buffer_registration.cpp) ------------------------------
   // ncclCommRegister of a tensor's bytes (NCCL >= 2.19): an opaque handle for deregister_buffer.

@@ -69,24 +69,32 @@ class _RecordingComm:
     def __init__(self):
         self.calls = []
 
-    def reduce_bucket(self, grads, flat, scale, pack_stream, split_all_reduce, unpack_stream=0, chunks=1):
+    def reduce_bucket(self, grads, flat, scale, pack_stream, split_all_reduce, unpack_stream=0, chunks=1,
+                      scratch=None):
         assert sum(g.numel() for g in grads) <= flat.numel()
-        self.calls.append((flat.data_ptr(), flat.numel(), split_all_reduce, chunks))
+        self.calls.append((flat.data_ptr(), flat.numel(), split_all_reduce, chunks,
+                           None if scratch is None else scratch.data_ptr()))
         return self._Done()
 
 
 def _joined_calls_match(rank, ws):
     """A joined rank's reduce_zeros must make the NCCL calls the training ranks' fused calls make,
     bucket by bucket: the same wire (a symmetric window's offset decides NCCL's kernel), the same
-    size, split or not, and the last bucket in the same slices (tail_chunks); any difference hangs
-    NCCL or sums the wrong bytes (test_ddp_unpack_gpu.py runs it on 2 GPUs)."""
+    size, split or not, the last bucket in the same slices (tail_chunks), and the same scratch
+    (comm_path "copy_engine_a2a": with it NCCL runs an all-to-all, without it a reduce-scatter);
+    any difference hangs NCCL or sums the wrong bytes (test_ddp_unpack_gpu.py runs it on 2 GPUs)."""
     ddp = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB)
     x = torch.randn(4, 8)
     for _ in range(2):                             # the second forward rebuilds the buckets
         ddp(x).sum().backward()
     reducer = ddp.reducer
     assert len(reducer.bucketer.buckets) > 2
-    for tail_chunks in (1, 4):
+    scratch = torch.zeros(max(b.extra["wire"].numel() for b in reducer.bucketer.buckets))
+    for tail_chunks, a2a in ((1, False), (4, False), (1, True)):
+        for b in reducer.bucketer.buckets:          # a stand-in for copy_engine_a2a's shared scratch
+            b.extra.pop("scratch", None)
+            if a2a:
+                b.extra["scratch"] = scratch
         comm = _RecordingComm()
         reducer.fused_comm, reducer.pack_stream, reducer.tail_chunks = comm, type("S", (), {"cuda_stream": 7}), tail_chunks
         for b in reducer.bucketer.buckets:
@@ -96,6 +104,7 @@ def _joined_calls_match(rank, ws):
         reducer.reduce_zeros()
         assert comm.calls == training, (tail_chunks, comm.calls, training)
         assert [c[3] for c in training][-1] == tail_chunks
+        assert {c[4] for c in training} == ({scratch.data_ptr()} if a2a else {None})
     return True
 
 

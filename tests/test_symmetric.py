@@ -13,7 +13,7 @@ from pynccl.comm.symmetric import SymmetricSupport, _layout, alloc_symmetric, sy
     window_bytes
 from pynccl.testing import run_multiprocess
 
-PATHS = ("default", "symmetric", "copy_engine")
+PATHS = ("default", "symmetric", "copy_engine", "copy_engine_a2a")
 
 
 # ----------------------------------------------------------------------------- no GPU needed
@@ -43,7 +43,7 @@ def test_comm_path_argument_is_checked():
     assert comm_path.resolve(None) == "auto"
     for p in comm_path.COMM_PATHS:
         assert comm_path.resolve(p) == p
-    with pytest.raises(ValueError, match="comm_path must be one of auto, default, symmetric, copy_engine, got 'sym'"):
+    with pytest.raises(ValueError, match="comm_path must be one of auto, default, symmetric, copy_engine, copy_engine_a2a, got 'sym'"):
         comm_path.resolve("sym")
 
 
@@ -56,6 +56,22 @@ def _gloo_falls_back(rank, world_size):
     with pytest.warns(RuntimeWarning, match="comm_path='symmetric' is not available here"):
         # a gloo group has no fused path at all; the request for a window path is refused loudly
         comm_path.place_wires(model.reducer.bucketer.buckets, g, "symmetric")
+
+
+def test_a2a_scratch_holds_the_largest_wire_of_each_dtype_up_to_the_cap():
+    f32, bf16 = torch.float32, torch.bfloat16
+    sizes = [(1024, f32), (4096, f32), (512, bf16)]
+    assert comm_path._scratch_sizes(sizes, 2) == [(4096, f32), (512, bf16)]
+    cap = comm_path.SCRATCH_BYTES // 4                               # fp32 elements, a multiple of 256 x 4
+    assert comm_path._scratch_sizes([(cap * 3, f32)], 4) == [(cap, f32)]
+    assert comm_path._scratch_sizes([(cap * 3, bf16)], 4) == [(cap * 2, bf16)]
+    # a cap below one aligned slice still holds one: reduce_bucket needs 256 x world_size elements
+    full = comm_path.SCRATCH_BYTES
+    comm_path.SCRATCH_BYTES = 100
+    try:
+        assert comm_path._scratch_sizes([(10_000, f32)], 2) == [(512, f32)]
+    finally:
+        comm_path.SCRATCH_BYTES = full
 
 
 def test_gloo_falls_back_with_reason():
@@ -128,6 +144,42 @@ def _ddp_paths_equal_torch(rank, world_size, paths):
         for optim in ("sgd", "adamw"):
             for view in (False, True):
                 _ddp_equals_torch(torch_pg, path, optim, view)
+    if "copy_engine_a2a" in paths:
+        # A scratch of 2048 fp32 elements: each ~52 KB bucket goes through it in slices.
+        full = comm_path.SCRATCH_BYTES
+        comm_path.SCRATCH_BYTES = 8192
+        try:
+            _ddp_equals_torch(torch_pg, "copy_engine_a2a", "sgd", True)
+        finally:
+            comm_path.SCRATCH_BYTES = full
+
+
+def _a2a_holds_no_sm(rank, world_size):
+    """copy_engine_a2a: a backward runs no NCCL kernel at all (all-to-all and all-gather are copy-engine
+    memcpys, the reduction a local sum), and every bucket shares one scratch of the largest bucket."""
+    ddp = pynccl.DistributedDataParallel(_net().cuda(), comm_path="copy_engine_a2a", bucket_cap_mb=0.05)
+    x = torch.randn(32, 64, device="cuda")
+    for _ in range(2):                             # the first backward rebuilds the buckets
+        ddp(x).sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ddp(x).sum().backward()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert not any(n.startswith("nccl") for n in names), sorted(set(names))    # ncclDevKernel_*, ncclSymk*
+    assert any("PtoP" in n for n in names), sorted(set(names))    # the copy engines moved the bytes
+    scratch = {b.extra["scratch"].data_ptr() for b in ddp.reducer.bucketer.buckets}
+    assert len(scratch) == 1
+    assert ddp.reducer.bucketer.buckets[0].extra["scratch"].numel() == max(
+        b.extra["wire"].numel() for b in ddp.reducer.bucketer.buckets)
+
+
+@pytest.mark.multigpu
+def test_copy_engine_a2a_runs_no_nccl_kernel():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    if not run_multiprocess(_kernels_and_values, 2, backend="nccl", start_method="spawn", timeout=300)[0]:
+        pytest.skip("no copy-engine collectives (NCCL < 2.28)")
+    run_multiprocess(_a2a_holds_no_sm, 2, backend="nccl", start_method="spawn", timeout=300)
 
 
 @pytest.mark.multigpu
@@ -135,7 +187,7 @@ def test_symmetric_kernels_run_and_ddp_paths_equal_torch_ddp():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     copy_engine = run_multiprocess(_kernels_and_values, 2, backend="nccl", start_method="spawn", timeout=300)[0]
-    paths = [p for p in PATHS if p != "copy_engine" or copy_engine]
+    paths = [p for p in PATHS if not p.startswith("copy_engine") or copy_engine]
     run_multiprocess(_ddp_paths_equal_torch, 2, backend="nccl", start_method="spawn", timeout=300, args=(paths,))
 
 

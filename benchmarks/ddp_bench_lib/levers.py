@@ -42,6 +42,11 @@ LEVERS = {lv.name: lv for lv in [
           {"PYNCCL_NCCL_MIN_CTAS": "1", "PYNCCL_NCCL_MAX_CTAS": "8"}),
     Lever("max-ctas-4", "maxCTAs 4", {"PYNCCL_NCCL_MIN_CTAS": "1", "PYNCCL_NCCL_MAX_CTAS": "4"}),
     Lever("max-ctas-2", "maxCTAs 2", {"PYNCCL_NCCL_MIN_CTAS": "1", "PYNCCL_NCCL_MAX_CTAS": "2"}),
+    # NOTE: NCCL's symmetric kernels take the fewest CTAs its model puts within 2.5 % of the
+    # fastest (sym_kernels.cc), for an idle GPU; minCTAs raises that floor (session 15: a 28 MB
+    # bucket's symmetric reduce-scatter ran 1.2 ms beside backward on 4xH100).
+    Lever("min-ctas-16", "minCTAs 16 (maxCTAs 32): NCCL's symmetric kernels on at least 16 CTAs",
+          {"PYNCCL_NCCL_MIN_CTAS": "16", "PYNCCL_NCCL_MAX_CTAS": "32"}),
     Lever("cga-1", "cgaClusterSize 1: no CTA clusters (Hopper's default is 4)", {"PYNCCL_NCCL_CGA_CLUSTER_SIZE": "1"}),
     Lever("register", "bucket buffers registered with ncclCommRegister (zero-copy where NCCL can)",
           min_nccl=(2, 19, 0), register_buffers=True),
@@ -59,6 +64,9 @@ LEVERS = {lv.name: lv for lv in [
           min_nccl=(2, 27, 0), ddp_kwargs=dict(comm_path="symmetric")),
     Lever("comm-copy-engine", "comm_path='copy_engine': symmetric reduce-scatter + copy-engine all-gather",
           min_nccl=(2, 28, 0), ddp_kwargs=dict(comm_path="copy_engine")),
+    Lever("comm-copy-engine-a2a", "comm_path='copy_engine_a2a': the reduce-scatter as a copy-engine all-to-all "
+          "+ one local sum, then the copy-engine all-gather", min_nccl=(2, 28, 0),
+          ddp_kwargs=dict(comm_path="copy_engine_a2a")),
     Lever("overlap-optimizer", "DDP.overlap_optimizer: each bucket's AdamW step in backward, once its all-reduce "
           "ends (exact; opt-in)", overlap_optimizer=True),
     Lever("bf16-wire", "bf16_compress_hook: a bf16 wire (half the bytes), fp32 accumulation in the symmetric kernels",

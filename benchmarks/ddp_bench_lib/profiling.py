@@ -126,7 +126,7 @@ def measure_phases(trainers, args):
 
 def profile_steps(trainers, outdir, rank, steps=3):
     """torch.profiler over `steps` eager steps of each eager mode: where the GPU sat idle. Writes
-    <outdir>/trace_<mode>.json.gz (rank 0) and returns {mode: summary}."""
+    <outdir>/trace_<mode>_rank<r>.json.gz (every rank) and returns {mode: summary}."""
     import gzip
     import shutil
     from torch.profiler import ProfilerActivity, profile
@@ -141,13 +141,13 @@ def profile_steps(trainers, outdir, rank, steps=3):
             for _ in range(steps):
                 tr.step()
             torch.cuda.synchronize()
-        slug = m.replace(" ", "_").replace("[", "").replace("]", "")
+        slug = "".join(c if c.isalnum() or c in "-_" else "_" for c in m)
         path = os.path.join(outdir, f"trace_{slug}_rank{rank}.json")
         prof.export_chrome_trace(path)
         out[m] = _gap_summary(_kernel_timeline(path), steps)
-        if rank == 0:
-            with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
-                shutil.copyfileobj(f, g)
+        # NOTE: every rank's trace: a collective's time on one rank is mostly waiting for the slowest.
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
         os.remove(path)
     return out
 

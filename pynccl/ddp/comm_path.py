@@ -7,6 +7,11 @@ kernels reduce it.
                  (a few CTAs, fp32 accumulation for 16-bit wires)
   "copy_engine"  the same window, each all-reduce split into a symmetric reduce-scatter and an
                  all-gather on the copy engines (no SM)
+  "copy_engine_a2a"  the same window, the reduce-scatter as an all-to-all on the copy engines
+                 into a scratch buffer of the window, then one local sum of its world slices
+                 (a short memory-bound kernel that waits for no peer), then the copy-engine
+                 all-gather: no collective kernel holds an SM. The scratch holds the largest
+                 bucket, at most SCRATCH_BYTES (a bigger bucket goes through it in slices)
   "auto"         the measured default where it is available (see DEFAULT_PATH): the copy engine
                  where the communicator has copy-engine collectives, else symmetric, else "default"
 
@@ -22,11 +27,15 @@ import os
 import warnings
 from typing import List, Optional
 
+import torch
+
 from ..comm.symmetric import alloc_symmetric, symmetric_support
 
-COMM_PATHS = ("auto", "default", "symmetric", "copy_engine")
+COMM_PATHS = ("auto", "default", "symmetric", "copy_engine", "copy_engine_a2a")
+SCRATCH_BYTES = 64 * 2**20
 # Chosen by ddp_bench.py on 2 and 4 x H100 (benchmarks/RESULTS.md, session 13: with the tied tail
-# of embedding_rows.py the copy engine measured below symmetric in all four windows).
+# of embedding_rows.py the copy engine measured below symmetric in all four windows; session 15:
+# copy_engine_a2a no faster than it, 4xH100 and 2 GPUs).
 DEFAULT_PATH = "copy_engine"
 
 
@@ -38,6 +47,11 @@ class CommPath:
     name: str
     split_all_reduce: bool = False
     reason: str = ""
+
+    @property
+    def all_to_all(self) -> bool:
+        """The reduce-scatter as a copy-engine all-to-all plus a local sum (b.extra["scratch"])."""
+        return self.name == "copy_engine_a2a"
 
 
 def resolve(requested: Optional[str]) -> str:
@@ -61,15 +75,20 @@ def place_wires(buckets, group, requested: str) -> CommPath:
     want = requested
     if requested == "auto":                      # DEFAULT_PATH, or symmetric where NCCL has no copy engine
         want = DEFAULT_PATH if support.copy_engine else "symmetric"
-    if want == "copy_engine" and support.available and not support.copy_engine:
+    if want.startswith("copy_engine") and support.available and not support.copy_engine:
         return _fallback(requested, "default", "the communicator has no copy-engine collectives "
                          "(needs NCCL >= 2.28 and cta_policy=2, pynccl's default there)")
     world_size = group.backend.world_size
     padded = [-(-b.extra["wire"].numel() // world_size) * world_size for b in buckets]
-    views: Optional[List] = alloc_symmetric(group, [(n, b.extra["wire"].dtype) for n, b in zip(padded, buckets)])
+    sizes = [(n, b.extra["wire"].dtype) for n, b in zip(padded, buckets)]
+    scratch_sizes = _scratch_sizes(sizes, world_size) if want == "copy_engine_a2a" else []
+    views: Optional[List] = alloc_symmetric(group, sizes + scratch_sizes)
     if views is None:
         return _fallback(requested, "default", symmetric_support(group).reason)
+    scratch = {dtype: view for (_, dtype), view in zip(scratch_sizes, views[len(buckets):])}
     for b, view in zip(buckets, views):
+        if scratch:
+            b.extra["scratch"] = scratch[view.dtype]
         wire = b.extra["wire"]
         result = view[: wire.numel()]
         if wire is b.buffer:
@@ -77,7 +96,18 @@ def place_wires(buckets, group, requested: str) -> CommPath:
         else:
             result.copy_(wire)
         b.extra["wire"], b.extra["result"] = view, result
-    return CommPath(want, split_all_reduce=want == "copy_engine")
+    return CommPath(want, split_all_reduce=want.startswith("copy_engine"))
+
+
+def _scratch_sizes(sizes, world_size: int):
+    """copy_engine_a2a's scratch, one per wire dtype: the largest wire of that dtype, at most
+    SCRATCH_BYTES, in multiples of 256 x world_size elements (reduce_bucket's slice alignment)."""
+    align = 256 * world_size
+    out = {}
+    for numel, dtype in sizes:
+        cap = max(align, SCRATCH_BYTES // torch.empty(0, dtype=dtype).element_size() // align * align)
+        out[dtype] = max(out.get(dtype, 0), min(numel, cap))
+    return [(n, dtype) for dtype, n in out.items()]
 
 
 def _fallback(requested: str, name: str, reason: str) -> CommPath:

@@ -99,7 +99,7 @@ class DistributedDataParallel(nn.Module):
     Comm hooks see buckets as torch's do, not divided by world size (see hooks.py). `dim` and
     `output_device` are kept for compatibility: single-device modules only, as torch today.
     comm_path (pynccl's own, keyword only): how the buckets are all-reduced on NCCL: "auto"
-    (default; PYNCCL_DDP_COMM_PATH overrides), "default", "symmetric" or "copy_engine"
+    (default; PYNCCL_DDP_COMM_PATH overrides), "default", "symmetric", "copy_engine" or "copy_engine_a2a"
     (comm_path.py); `reducer.comm_path` says what is in use and why.
     gradient_as_bucket_view: None (default) is True, measured faster (defaults.py): each .grad is
     its bucket's view, the same tensor every step, as in torch with the flag; False is torch's

@@ -289,7 +289,7 @@ class Reducer:
             work = self.fused_comm.reduce_bucket(sources, b.extra["wire"], self.scale, self.pack_stream.cuda_stream,
                                                  self.comm_path.split_all_reduce,
                                                  self.unpack_stream.cuda_stream if early else 0,
-                                                 self.tail_chunks if last else 1)
+                                                 self.tail_chunks if last else 1, b.extra.get("scratch"))
             handle = comm_hooks._Pending(work, b.extra["result"])
         elif self.pack_stream is not None:
             # The same through Python: pack on the side stream, the hook's collective after it.
@@ -323,7 +323,8 @@ class Reducer:
                 # plain buffer would run another algorithm than its peers (it hung on 2xH100, s9).
                 work = self.fused_comm.reduce_bucket([zeros], b.extra["wire"], 1.0, self.pack_stream.cuda_stream,
                                                      self.comm_path.split_all_reduce, 0,
-                                                     self.tail_chunks if b.index == last else 1)
+                                                     self.tail_chunks if b.index == last else 1,
+                                                     b.extra.get("scratch"))
                 handles.append(comm_hooks._Pending(work, b.extra["result"]))
                 packed.append(zeros)         # read on the pack stream: alive until the waits below
             elif self.builtin_hook:

@@ -100,6 +100,16 @@ def _cta_policy(policy: Optional[int]) -> int:
     return CTA_POLICY_ZERO if _ext.nccl_version().runtime >= _COPY_ENGINE_VERSION else -1
 
 
+def _check_cta_limits(min_ctas: int, max_ctas: int) -> None:
+    """NcclOptions.min_ctas / max_ctas (<= 0: NCCL's default), checked before NCCL sees them:
+    NCCL 2.28 rejects minCTAs without maxCTAs, and a split it rejects that way leaves the parent
+    communicator holding freed memory (csrc/comm_config.cpp checks the PYNCCL_NCCL_* overrides)."""
+    if min_ctas > 0 and max_ctas <= 0:
+        raise ValueError(f"NcclOptions.min_ctas={min_ctas} needs max_ctas as well: NCCL rejects one without the other")
+    if min_ctas > 0 and min_ctas > max_ctas:
+        raise ValueError(f"NcclOptions.min_ctas={min_ctas} is above max_ctas={max_ctas}")
+
+
 def _seconds(timeout: Union[float, datetime.timedelta]) -> float:
     return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
 
@@ -135,6 +145,7 @@ class NcclBackend(_CppOps, Backend):
             options = NcclOptions(**options)
         if option_fields:
             options = dataclasses.replace(options, **option_fields)  # TypeError for an unknown field
+        _check_cta_limits(options.min_ctas, options.max_ctas)
         comm = c.Communicator(bytes(unique_id), int(world_size), int(rank), _device_index(device),
                               timeout_s=_seconds(timeout), blocking=options.blocking, name=options.name,
                               cga_cluster_size=options.cga_cluster_size, min_ctas=options.min_ctas,
