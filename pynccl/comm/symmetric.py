@@ -167,25 +167,58 @@ def _layout(sizes: Sequence[Tuple[int, torch.dtype]]) -> Tuple[List[int], int]:
     return offsets, max(total, ALIGN_BYTES)
 
 
-def _same_layout_everywhere(group: ProcessGroup, offsets: List[int], total: int) -> bool:
-    """Collective: every rank asked for the same layout (a symmetric collective needs the same
-    offsets on every rank)."""
+# Free device memory a window must leave beyond its own size: ncclMemAlloc rounds up to its
+# allocation granularity, and registration maps the peers' windows.
+_WINDOW_MARGIN_BYTES = 32 * 2**20
+
+
+def _free_device_bytes(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 62
+
+
+def _agree_on_window(group: ProcessGroup, offsets: List[int], total: int) -> Tuple[bool, Optional[Tuple[int, int]]]:
+    """Collective, one all-reduce: (every rank asked for the same layout, as a symmetric
+    collective needs the same offsets everywhere; None, or (rank, free bytes) of the lowest rank
+    without room for the window). NOTE: ncclMemAlloc is local and registration collective, so a
+    rank whose allocation failed alone would leave the others waiting in registration until the
+    watchdog ends them: every rank checks its free memory first and all fall back together."""
+    backend = group.backend
     digest = hashlib.blake2b(repr((offsets, total)).encode(), digest_size=7).digest()
     h = int.from_bytes(digest, "little")
-    t = torch.tensor([h, -h], dtype=torch.int64, device=group.backend.device)
-    group.backend.all_reduce(t, ReduceOp.MAX)
-    return int(t[0].item()) == h and int(t[1].item()) == -h
+    free = _free_device_bytes(backend.device)
+    short = free < total + _WINDOW_MARGIN_BYTES
+    # NOTE: MAX of (world - rank) names the lowest short rank; its free bytes ride in a slot of their own.
+    t = torch.zeros(3 + backend.world_size, dtype=torch.int64, device=backend.device)
+    t[0], t[1] = h, -h
+    if short:
+        t[2] = backend.world_size - backend.rank
+        t[3 + backend.rank] = free
+    backend.all_reduce(t, ReduceOp.MAX)
+    values = t.tolist()
+    same = values[0] == h and values[1] == -h
+    if values[2] == 0:
+        return same, None
+    rank = backend.world_size - values[2]
+    return same, (rank, values[3 + rank])
 
 
 def alloc_symmetric(group: ProcessGroup, sizes: Sequence[Tuple[int, torch.dtype]]) -> Optional[List[torch.Tensor]]:
     """Collective: one symmetric window holding a buffer per (numel, dtype) of `sizes`, zeroed,
     at the same offsets on every rank; None (on every rank) where symmetric_support(group) is
-    off or the ranks asked for different layouts. The window lives as long as any buffer."""
+    off, the ranks asked for different layouts or a rank has no room for it (then the group's
+    support is off, with that reason). The window lives as long as any buffer."""
     if not symmetric_support(group).available:
         return None
     offsets, total = _layout(sizes)
-    if not _same_layout_everywhere(group, offsets, total):
+    same, short = _agree_on_window(group, offsets, total)
+    if not same:
         group._symmetric_support = SymmetricSupport(False, False, "ranks asked for different buffer layouts")
+        return None
+    if short is not None:
+        rank, free = short
+        group._symmetric_support = SymmetricSupport(
+            False, False, f"rank {rank} has {free / 2**20:.0f} MiB of device memory free; a window of "
+                          f"{total / 2**20:.0f} MiB (+{_WINDOW_MARGIN_BYTES // 2**20} MiB) does not fit")
         return None
     try:
         window = group.backend.comm.alloc_symmetric(total)

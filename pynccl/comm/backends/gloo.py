@@ -28,6 +28,14 @@ _NATIVE_OPS = {ReduceOp.SUM: tdist.ReduceOp.SUM, ReduceOp.PRODUCT: tdist.ReduceO
                ReduceOp.BAND: tdist.ReduceOp.BAND, ReduceOp.BOR: tdist.ReduceOp.BOR, ReduceOp.BXOR: tdist.ReduceOp.BXOR}
 
 
+def _connected(pg) -> None:
+    """Returns once every member of a new gloo group has finished connecting to the others. NOTE:
+    gloo's connectFullMesh can return on one rank while a peer is still completing its side; a
+    group destroyed at once (new_group then destroy_process_group) then closed that peer's socket
+    under it ("Connection closed by peer", tests/test_errors.py in CI, session 15)."""
+    tdist.barrier(group=pg)
+
+
 class GlooBackend(Backend):
     name = "gloo"
 
@@ -343,6 +351,7 @@ class GlooBackend(Backend):
         pg = tdist.new_group(global_ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         if self.rank not in ranks:
             return None
+        _connected(pg)
         return GlooBackend(pg, ranks.index(self.rank), len(ranks), timeout_s, name or f"split{len(ranks)}")
 
     def duplicate(self, timeout_s, name: str) -> "GlooBackend":
@@ -351,6 +360,7 @@ class GlooBackend(Backend):
                         for r in range(self.world_size)]
         pg = tdist.new_group(global_ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
                              use_local_synchronization=True)
+        _connected(pg)
         return GlooBackend(pg, self.rank, self.world_size, timeout_s, name)
 
     def destroy(self):
