@@ -15,13 +15,13 @@
 // k's unpack overlaps chunk k+1's collective (meant for a big last bucket, whose collective and
 // unpack are otherwise exposed after backward). Every element is still reduced once, by SUM.
 //
-// Why the all-to-all form (issue 26, session 15): on 4xH100 a 28 MB bucket's symmetric
-// reduce-scatter (ReduceScatter_LD) ran 1.2 ms beside backward's GEMMs, against 0.07 ms for the
-// copy-engine all-gather of the same bytes: its few CTAs wait for SMs on every rank and for each
-// other at every barrier, so the comm stream fell behind backward and its backlog ran after it.
-// The copy engines move the bytes with no SM; the sum is one short memory-bound kernel that
-// waits for no peer. Each rank sums its own shard in rank order (deterministic), then the
-// all-gather hands every rank the same values.
+// The all-to-all form (issue 26, session 15; comm_path "copy_engine_a2a"): in profiles on 4xH100
+// a 28 MB bucket's symmetric reduce-scatter (ReduceScatter_LD) ran 1.2 ms beside backward's GEMMs
+// (0.07 ms for the copy-engine all-gather of the same bytes) and the GEMMs ran +2.1 ms a step. Here
+// the copy engines move the bytes with no SM and the sum is one short memory-bound kernel that
+// waits for no peer; each rank sums its own shard in rank order (deterministic), then the
+// all-gather hands every rank the same values. Measured no faster in the step than the symmetric
+// reduce-scatter (benchmarks/RESULTS.md), so it is an option, not the default.
 //
 // Nothing here blocks the host. The returned Work's wait() orders the caller's stream after the
 // collective and the unpack (the comm stream joins the unpack stream before the Work's event);
