@@ -115,7 +115,6 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
   if (all_to_all && step > scratch->numel()) {
     step = std::max(align, scratch->numel() / align * align);  // a bigger bucket goes through scratch in slices
   }
-  const c10::cuda::CUDAStream comm_torch = c10::cuda::getStreamFromExternal(comm, device);
   const int64_t elem_count = t.numel == 0 ? 1 : static_cast<int64_t>(t.count) / t.numel;  // NCCL elements per element
   const size_t elem_bytes = static_cast<size_t>(flat.element_size());
   for (int64_t lo = 0; lo < numel || lo == 0; lo += step) {
@@ -146,7 +145,7 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
         // (in rank order; fp32 accumulation for 16-bit types) is the reduced shard.
         const int64_t shard = (hi - lo) / world_size_;
         at::Tensor out = slice.narrow(0, shard * rank_, shard);
-        const c10::cuda::CUDAStreamGuard on_comm(comm_torch);
+        const c10::cuda::CUDAStreamGuard on_comm(c10::cuda::getStreamFromExternal(comm, device));
         const int64_t rank_dim[] = {0};
         at::sum_out(out, scratch->narrow(0, 0, hi - lo).view({world_size_, shard}), at::IntArrayRef(rank_dim));
       } else {

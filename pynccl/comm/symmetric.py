@@ -188,11 +188,11 @@ def _agree_on_window(group: ProcessGroup, offsets: List[int], total: int) -> Tup
     free = _free_device_bytes(backend.device)
     short = free < total + _WINDOW_MARGIN_BYTES
     # NOTE: MAX of (world - rank) names the lowest short rank; its free bytes ride in a slot of their own.
-    t = torch.zeros(3 + backend.world_size, dtype=torch.int64, device=backend.device)
-    t[0], t[1] = h, -h
+    values = [h, -h, 0] + [0] * backend.world_size
     if short:
-        t[2] = backend.world_size - backend.rank
-        t[3 + backend.rank] = free
+        values[2] = backend.world_size - backend.rank
+        values[3 + backend.rank] = free
+    t = torch.tensor(values, dtype=torch.int64, device=backend.device)
     backend.all_reduce(t, ReduceOp.MAX)
     values = t.tolist()
     same = values[0] == h and values[1] == -h

@@ -32,6 +32,7 @@ import torch
 from ..comm.symmetric import alloc_symmetric, symmetric_support
 
 COMM_PATHS = ("auto", "default", "symmetric", "copy_engine", "copy_engine_a2a")
+_SPLIT_PATHS = ("copy_engine", "copy_engine_a2a")    # the all-reduce split, the all-gather on the copy engines
 SCRATCH_BYTES = 64 * 2**20
 # Chosen by ddp_bench.py on 2 and 4 x H100 (benchmarks/RESULTS.md, session 13: with the tied tail
 # of embedding_rows.py the copy engine measured below symmetric in all four windows; session 15:
@@ -47,11 +48,6 @@ class CommPath:
     name: str
     split_all_reduce: bool = False
     reason: str = ""
-
-    @property
-    def all_to_all(self) -> bool:
-        """The reduce-scatter as a copy-engine all-to-all plus a local sum (b.extra["scratch"])."""
-        return self.name == "copy_engine_a2a"
 
 
 def resolve(requested: Optional[str]) -> str:
@@ -75,7 +71,7 @@ def place_wires(buckets, group, requested: str) -> CommPath:
     want = requested
     if requested == "auto":                      # DEFAULT_PATH, or symmetric where NCCL has no copy engine
         want = DEFAULT_PATH if support.copy_engine else "symmetric"
-    if want.startswith("copy_engine") and support.available and not support.copy_engine:
+    if want in _SPLIT_PATHS and support.available and not support.copy_engine:
         return _fallback(requested, "default", "the communicator has no copy-engine collectives "
                          "(needs NCCL >= 2.28 and cta_policy=2, pynccl's default there)")
     world_size = group.backend.world_size
@@ -96,7 +92,7 @@ def place_wires(buckets, group, requested: str) -> CommPath:
         else:
             result.copy_(wire)
         b.extra["wire"], b.extra["result"] = view, result
-    return CommPath(want, split_all_reduce=want.startswith("copy_engine"))
+    return CommPath(want, split_all_reduce=want in _SPLIT_PATHS)
 
 
 def _scratch_sizes(sizes, world_size: int):
