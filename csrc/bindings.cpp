@@ -266,13 +266,16 @@ PYBIND11_MODULE(_C, m) {
            py::arg("output") = py::none())
       .def("reduce_bucket", &Communicator::reduce_bucket, py::arg("grads"), py::arg("flat"), py::arg("scale"),
            py::arg("pack_stream"), py::arg("split_all_reduce") = false, py::arg("unpack_stream") = 0,
-           py::arg("chunks") = 1, py::arg("scratch") = py::none(),
+           py::arg("chunks") = 1, py::arg("scratch") = py::none(), py::arg("copy_pack") = false,
            "One DDP bucket in one call: pack grads into flat (x scale, cast) on pack_stream (a "
            "torch.cuda.Stream.cuda_stream handle) after the current stream, then a SUM all-reduce of flat after the "
            "pack (split_all_reduce: as an in-place reduce-scatter then all-gather); with unpack_stream (a handle, "
            "0 = none), flat is copied back into grads there after the all-reduce. chunks > 1 pipelines the three "
            "over slices of flat. scratch (a tensor of flat's dtype, in a symmetric window like flat): the reduce-scatter as "
-           "an all-to-all into scratch (copy engines) and a local sum; a flat bigger than scratch goes in slices. Returns the all-reduce's Work; its wait() orders the current stream after all.")
+           "an all-to-all into scratch (copy engines) and a local sum; a flat bigger than scratch goes in slices. "
+           "copy_pack (with split_all_reduce): grads copied into flat on the copy engines, unscaled, and each rank's "
+           "reduced shard scaled before the all-gather (every rank must pass the same). Returns the all-reduce's Work; "
+           "its wait() orders the current stream after all.")
       .def("alloc_symmetric", &Communicator::alloc_symmetric, py::arg("num_bytes"),
            "Collective: num_bytes of ncclMemAlloc memory registered as a symmetric window (NCCL >= 2.27), as a "
            "uint8 CUDA tensor (view it as the dtype you need). Collectives on such buffers, at the same offsets on "

@@ -2,7 +2,10 @@
 // pynccl/ddp/reducer.py with a built-in SUM hook), so that backward's hook pays one Python->C++
 // crossing per bucket instead of a stream switch, events, a pack and a collective call.
 //
-//   pack stream:   waits for the caller's stream; packs grads into flat (scale and cast fused)
+//   pack stream:   waits for the caller's stream; packs grads into flat (scale and cast fused);
+//                  or, copy_pack, copies them on the copy engines unscaled (no SM beside backward)
+//                  and each rank scales its reduced shard between the reduce-scatter and the
+//                  all-gather (a kernel over 1/world of the bytes, on the comm stream)
 //   comm stream:   waits for the pack stream; all-reduces flat (SUM), async; or, split, a
 //                  reduce-scatter then an all-gather (copy engines on symmetric memory); or,
 //                  split with `scratch`, the reduce-scatter as an all-to-all into scratch (copy
@@ -27,8 +30,11 @@
 // collective and the unpack (the comm stream joins the unpack stream before the Work's event);
 // the Work keeps flat and, with an unpack, grads alive until then.
 #include <ATen/ops/sum.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <optional>
@@ -65,12 +71,33 @@ std::vector<at::Tensor> grads_in_range(const std::vector<at::Tensor>& grads, int
   return parts;
 }
 
+// copy_pack's pack of `parts` (back to back from element 0 of `slice`) on `stream`: a copy-engine
+// copy per gradient, torch's copy kernel where the dtype differs or the gradient is strided, nothing
+// where the gradient already is its slot (a bucket view). No scale: the caller scales the shard.
+void pack_on_copy_engines(const std::vector<at::Tensor>& parts, const at::Tensor& slice, cudaStream_t stream,
+                          c10::DeviceIndex device) {
+  int64_t offset = 0;
+  for (const auto& g : parts) {
+    const int64_t n = g.numel();
+    const at::Tensor dst = slice.narrow(0, offset, n);
+    offset += n;
+    if (n == 0 || g.data_ptr() == dst.data_ptr()) continue;
+    if (g.scalar_type() == slice.scalar_type() && g.is_contiguous()) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), g.data_ptr(), static_cast<size_t>(n) * g.element_size(),
+                                     cudaMemcpyDeviceToDevice, stream));
+    } else {
+      const c10::cuda::CUDAStreamGuard on_stream(c10::cuda::getStreamFromExternal(stream, device));
+      dst.view(g.sizes()).copy_(g);
+    }
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>& grads, const at::Tensor& flat,
                                                   double scale, int64_t pack_stream, bool split_all_reduce,
                                                   int64_t unpack_stream, int64_t chunks,
-                                                  const std::optional<at::Tensor>& scratch) {
+                                                  const std::optional<at::Tensor>& scratch, bool copy_pack) {
   static const char* const kFn = "reduce_bucket";
   // Every check before anything is enqueued (the unpack's are the pack's: same tensors, casts back).
   const BucketCopy pack_all(kFn, grads, flat, scale, /*to_flat=*/true);
@@ -78,6 +105,8 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
                     ": pack_stream must be a side stream (torch.cuda.Stream.cuda_stream), not the legacy default "
                     "stream (0)");
   PYNCCL_CHECK_VALUE(chunks >= 1, kFn, ": chunks must be >= 1, got ", chunks);
+  PYNCCL_CHECK_VALUE(!copy_pack || split_all_reduce, kFn, ": copy_pack (the shard scaled between the reduce-scatter "
+                     "and the all-gather) needs split_all_reduce=True");
   PYNCCL_CHECK_VALUE(!split_all_reduce || flat.numel() % world_size_ == 0, kFn, ": split_all_reduce needs flat's ",
                      flat.numel(), " elements to be a multiple of world_size(", world_size_, ")");
   const TensorArg t = check_tensor(kFn, "flat", flat, device_);
@@ -124,7 +153,11 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
     const std::vector<at::Tensor> parts = whole ? std::vector<at::Tensor>() : grads_in_range(grads, lo, hi);
     std::optional<BucketCopy> part_copy;  // a slice of the bucket: its own (new) tensor views
     const BucketCopy& copy = whole ? pack_all : part_copy.emplace(kFn, parts, slice, scale, /*to_flat=*/true);
-    copy.launch(packer);
+    if (copy_pack) {
+      pack_on_copy_engines(whole ? grads : parts, slice, packer, device);
+    } else {
+      copy.launch(packer);
+    }
     order_after(comm, packer);  // this chunk's collective after its pack
     char* const base = static_cast<char*>(t.ptr) + static_cast<size_t>(lo) * elem_bytes;
     const size_t count = static_cast<size_t>((hi - lo) * elem_count);
@@ -148,11 +181,18 @@ std::shared_ptr<Work> Communicator::reduce_bucket(const std::vector<at::Tensor>&
         const c10::cuda::CUDAStreamGuard on_comm(c10::cuda::getStreamFromExternal(comm, device));
         const int64_t rank_dim[] = {0};
         at::sum_out(out, scratch->narrow(0, 0, hi - lo).view({world_size_, shard}), at::IntArrayRef(rank_dim));
+        if (copy_pack && scale != 1.0) out.mul_(scale);
       } else {
         // ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount,
         //                                ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
         //                                cudaStream_t stream);
         PYNCCL_CHECK_NCCL_OP(scope, ncclReduceScatter(base, mine, chunk, t.type, ncclSum, comm_, comm));
+        if (copy_pack && scale != 1.0) {
+          // the pack left the scale out: this rank's reduced shard takes it (as every rank's does)
+          const int64_t shard = (hi - lo) / world_size_;
+          const c10::cuda::CUDAStreamGuard on_comm(c10::cuda::getStreamFromExternal(comm, device));
+          slice.narrow(0, shard * rank_, shard).mul_(scale);
+        }
       }
       // ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
       //                            ncclComm_t comm, cudaStream_t stream);

@@ -178,9 +178,14 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // unpack_stream (a cudaStream_t handle, 0 = none): copies the reduced flat back into grads
   // there, after the collective, before the Work's event. chunks > 1 pipelines pack, collective
   // and unpack over that many slices of flat (aligned to 256 x world_size elements).
+  // copy_pack (split_all_reduce only): the pack copies grads on the copy engines (cudaMemcpyAsync;
+  // torch's copy kernel for a cast or a strided gradient; nothing for a gradient that is its slot
+  // of flat already) without the scale, and each rank scales its reduced shard instead, before the
+  // all-gather: every rank must pass the same copy_pack and scale.
   std::shared_ptr<Work> reduce_bucket(const std::vector<at::Tensor>& grads, const at::Tensor& flat, double scale,
                                       int64_t pack_stream, bool split_all_reduce = false, int64_t unpack_stream = 0,
-                                      int64_t chunks = 1, const std::optional<at::Tensor>& scratch = std::nullopt);
+                                      int64_t chunks = 1, const std::optional<at::Tensor>& scratch = std::nullopt,
+                                      bool copy_pack = false);
 
   // --- NCCL user-buffer registration (buffer_registration.cpp) ------------------------------
   // ncclCommRegister of a tensor's bytes (NCCL >= 2.19): an opaque handle for deregister_buffer.

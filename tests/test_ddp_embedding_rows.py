@@ -115,6 +115,10 @@ def _both(rank, ws, *, opt="plain-sgd", accumulate=1, seq_of=None, padding_idx=N
             for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
                 assert_within(p.grad, q.grad, rtol * q.grad.abs().max().item(), f"step {step} grad of {name}")
         assert ours.reducer.tied_rows.last_exchange == exchange
+        if tied.grad is not None:     # bit for bit on every rank: the rows are added in one order everywhere
+            grads = [torch.empty_like(tied.grad) for _ in range(ws)]
+            tdist.all_gather(grads, tied.grad.detach().contiguous())
+            assert all(torch.equal(grads[0], g) for g in grads), f"step {step}: the tied gradient differs across ranks"
         record_grad_scale(ref.module.parameters(), grad_scale)
         o_ours.step()
         o_ref.step()

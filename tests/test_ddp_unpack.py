@@ -4,6 +4,7 @@ gloo, on real buckets after a real forward; the CUDA path itself is tests/test_d
 import torch
 
 import pynccl
+from pynccl.ddp import comm_path
 from pynccl.testing import run_multiprocess
 from ddp_common import TINY_BUCKETS_MB, _mlp
 
@@ -70,10 +71,12 @@ class _RecordingComm:
         self.calls = []
 
     def reduce_bucket(self, grads, flat, scale, pack_stream, split_all_reduce, unpack_stream=0, chunks=1,
-                      scratch=None):
+                      scratch=None, copy_pack=False):
         assert sum(g.numel() for g in grads) <= flat.numel()
+        # NOTE: the scale only where the shard takes it (copy_pack): a packed scale multiplies
+        # zeros on a joined rank, whatever it is.
         self.calls.append((flat.data_ptr(), flat.numel(), split_all_reduce, chunks,
-                           None if scratch is None else scratch.data_ptr()))
+                           None if scratch is None else scratch.data_ptr(), copy_pack, scale if copy_pack else None))
         return self._Done()
 
 
@@ -82,7 +85,10 @@ def _joined_calls_match(rank, ws):
     bucket by bucket: the same wire (a symmetric window's offset decides NCCL's kernel), the same
     size, split or not, the last bucket in the same slices (tail_chunks), and the same scratch
     (comm_path "copy_engine_a2a": with it NCCL runs an all-to-all, without it a reduce-scatter);
-    any difference hangs NCCL or sums the wrong bytes (test_ddp_unpack_gpu.py runs it on 2 GPUs)."""
+    any difference hangs NCCL or sums the wrong bytes (test_ddp_unpack_gpu.py runs it on 2 GPUs).
+    On the split paths with copy_pack every rank scales its reduced shard, so a joined rank passes
+    the training ranks' scale too: 1/N, or 1/(ranks still training) for join's
+    divide_by_initial_world_size=False (reduce_zeros' divisor; world size 4 stood in here)."""
     ddp = pynccl.DistributedDataParallel(_mlp(), bucket_cap_mb=TINY_BUCKETS_MB)
     x = torch.randn(4, 8)
     for _ in range(2):                             # the second forward rebuilds the buckets
@@ -90,21 +96,33 @@ def _joined_calls_match(rank, ws):
     reducer = ddp.reducer
     assert len(reducer.bucketer.buckets) > 2
     scratch = torch.zeros(max(b.extra["wire"].numel() for b in reducer.bucketer.buckets))
-    for tail_chunks, a2a in ((1, False), (4, False), (1, True)):
+    reducer.copy_pack = True                        # opt-in: where the joined rank's scale matters
+    split = comm_path.CommPath("copy_engine", split_all_reduce=True)
+    cases = [(1, False, comm_path.CommPath("default"), None), (4, False, split, None), (1, True, split, None),
+             (1, False, split, 3)]
+    for tail_chunks, a2a, path, divisor in cases:
         for b in reducer.bucketer.buckets:          # a stand-in for copy_engine_a2a's shared scratch
             b.extra.pop("scratch", None)
             if a2a:
                 b.extra["scratch"] = scratch
         comm = _RecordingComm()
         reducer.fused_comm, reducer.pack_stream, reducer.tail_chunks = comm, type("S", (), {"cuda_stream": 7}), tail_chunks
+        reducer.comm_path = path
+        reducer.scale = 0.25                        # as at world size 4 (a training rank's set_divisor(None))
+        if divisor is not None:
+            reducer.set_divisor(divisor)            # join(divide_by_initial_world_size=False), 3 ranks left
         for b in reducer.bucketer.buckets:
             reducer._on_bucket_ready(b)
         reducer.pending = []
         training, comm.calls = comm.calls, []
-        reducer.reduce_zeros()
+        reducer.scale = 0.25                        # the joined rank's own: join's exit reset its divisor
+        reducer.reduce_zeros(divisor)
         assert comm.calls == training, (tail_chunks, comm.calls, training)
         assert [c[3] for c in training][-1] == tail_chunks
         assert {c[4] for c in training} == ({scratch.data_ptr()} if a2a else {None})
+        assert {c[5] for c in training} == {path.split_all_reduce}
+        if path.split_all_reduce:
+            assert {c[6] for c in training} == {1.0 / (divisor or 4)}
     return True
 
 

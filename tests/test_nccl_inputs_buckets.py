@@ -178,6 +178,38 @@ def test_reduce_bucket_unpacks_after_the_all_reduce_in_slices(comm, split_all_re
         assert torch.equal(flat, torch.cat([(g * 0.5).to(torch.bfloat16) for g in base]))
 
 
+@pytest.mark.parametrize("form", ["reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_reduce_bucket_copy_pack_scales_the_shard(comm, form, grad_dtype):
+    """copy_pack: the grads reach flat unscaled (copy engines; a bf16 gradient through torch's
+    cast kernel; a gradient that already is its slot of flat is not copied) after the grads'
+    stream (they are queued behind a sleep), and the reduced shard takes the scale, whole or in
+    slices, through a NaN-filled scratch for the all-to-all form: flat ends as the scaled sum."""
+    pack_stream = torch.cuda.Stream(priority=-1)
+    sizes = [5, 4096, 1, 333, 2000]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    base = [make(torch.float32, n, offset=i) for i, n in enumerate(sizes)]
+    scratch = None
+    if form == "all_to_all":
+        scratch = torch.full((512,), float("nan"), device="cuda")
+        comm.reduce_bucket([torch.zeros(512, device="cuda")], torch.zeros(512, device="cuda"), 1.0,
+                           pack_stream.cuda_stream, True, 0, 1, scratch, True).wait()   # NCCL's set-up, once
+        scratch.fill_(float("nan"))
+    for chunks in (1, 3):
+        flat = torch.full((sum(sizes),), -7.0, device="cuda")
+        gpu_sleep(0.2)
+        grads = [(g * 2).to(grad_dtype) for g in base]             # queued behind the sleep
+        if grad_dtype == torch.float32:                          # one gradient is its own slot already
+            grads[3] = flat[offsets[3]: offsets[3] + sizes[3]]
+            grads[3].copy_(base[3] * 2)
+        comm.reduce_bucket(grads, flat, 0.25, pack_stream.cuda_stream, True, 0, chunks, scratch, True).wait()
+        torch.cuda.synchronize()
+        assert torch.equal(flat, torch.cat([g * 0.5 for g in base])), f"chunks={chunks}"
+        for i, g in enumerate(grads):
+            if i != 3 or grad_dtype != torch.float32:
+                assert torch.equal(g.float(), base[i] * 2), f"chunks={chunks}: grads[{i}] changed"
+
+
 def test_reduce_bucket_checks_before_enqueueing(comm):
     s = torch.cuda.Stream().cuda_stream
     flat = torch.zeros(8, device="cuda")
@@ -205,4 +237,7 @@ def test_reduce_bucket_checks_before_enqueueing(comm):
     with pytest.raises(ValueError, match=r"reduce_bucket: expected a CUDA tensor on cuda:0 for the nccl backend, got "
                                          r"a tensor on cpu \(scratch\)"):
         comm.reduce_bucket(grads8, flat, 1.0, s, True, 0, 1, torch.zeros(8))
+    with pytest.raises(ValueError, match=r"reduce_bucket: copy_pack \(the shard scaled between the reduce-scatter "
+                                         r"and the all-gather\) needs split_all_reduce=True"):
+        comm.reduce_bucket(grads8, flat, 0.5, s, False, 0, 1, None, True)
     assert comm.seq == seq                        # nothing was enqueued

@@ -29,6 +29,8 @@ class Lever:
     unpack_early: Optional[bool] = None         # reducer.unpack_early (None: the default)
     tail_chunks: int = 1                        # reducer.tail_chunks: the last bucket pipelined in slices
     rows_in_window: Optional[bool] = None       # reducer.tied_rows.rows_in_window (None: the default)
+    copy_pack: Optional[bool] = None            # reducer.copy_pack (None: the default)
+    rows_chunks: Optional[int] = None           # reducer.tied_rows.rows_chunks (None: the default)
 
 
 LEVERS = {lv.name: lv for lv in [
@@ -103,6 +105,10 @@ LEVERS = {lv.name: lv for lv in [
           ddp_kwargs=dict(gradient_as_bucket_view=True, tied_embedding_rows=False, comm_path="copy_engine")),
     Lever("rows-plain-buffers", "the tied tail's rows all-gathered through ordinary buffers (ring kernels), not "
           "the symmetric window of session 14 (copy engines)", rows_in_window=False),
+    Lever("copy-pack", "reducer.copy_pack: on the split paths the pack copies on the copy engines, unscaled, and "
+          "each rank scales its reduced shard (no pack kernel on the SMs beside backward)", copy_pack=True),
+    Lever("rows-unchunked", "the tied tail's rows gathered in one piece, their index_add_s after it (before session "
+          "16: rows_chunks=1), not in slices whose adds overlap the next slice's gather", rows_chunks=1),
     Lever("unpack-early-tail4", "unpack-early, and the last bucket's pack / all-reduce / unpack pipelined over 4 "
           "slices (its unpack overlaps its all-reduce)", unpack_early=True, tail_chunks=4),
 ]}
@@ -171,7 +177,11 @@ def apply(ddp, lever: Lever) -> None:
     if lever.unpack_early is not None:
         ddp.reducer.unpack_early = lever.unpack_early
     ddp.reducer.tail_chunks = lever.tail_chunks
+    if lever.copy_pack is not None:
+        ddp.reducer.copy_pack = lever.copy_pack
     if lever.rows_in_window is not None and ddp.reducer.tied_rows is not None:
         ddp.reducer.tied_rows.rows_in_window = lever.rows_in_window
+    if lever.rows_chunks is not None and ddp.reducer.tied_rows is not None:
+        ddp.reducer.tied_rows.rows_chunks = lever.rows_chunks
     if lever.hook is not None:
         ddp.register_comm_hook(None, getattr(pynccl.comm_hooks, lever.hook))

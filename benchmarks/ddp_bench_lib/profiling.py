@@ -111,17 +111,37 @@ PHASES = ("forward", "backward", "optimizer")
 
 def measure_phases(trainers, args):
     """Median GPU and host ms per phase of the eager modes' steps (args.phases steps each,
-    interleaved in 5 rounds): where an eager overhead sits."""
+    interleaved in 5 rounds): where an eager overhead sits. pynccl DDP's backward is split further
+    (Trainer._backward_events): "gpu bwd compute" until the last compute kernel, "gpu bwd wait"
+    until every bucket's reduction has ended on the compute stream, "gpu bwd rows" the tied rows'
+    exchange; and per bucket (hand-out order) when its gradients were ready and when its reduction
+    ended, in ms after backward began."""
     out = {m: {f"{k} {ph}": [] for k in ("gpu", "host") for ph in PHASES} for m in trainers if "graph" not in m}
+    buckets = {m: {} for m in out}
     for _ in range(5):
         for m in out:
             recs = [trainers[m].phase_step() for _ in range(max(1, args.phases // 5))]
             torch.cuda.synchronize()
-            for ev, host in recs:
+            for ev, host, marks in recs:
                 for i, ph in enumerate(PHASES):
                     out[m][f"gpu {ph}"].append(ev[i].elapsed_time(ev[i + 1]))
                     out[m][f"host {ph}"].append(1e3 * (host[i + 1] - host[i]))
-    return {m: {k: statistics.median(v) for k, v in d.items()} for m, d in out.items()}
+                if "compute" not in marks:
+                    continue
+                split = [("gpu bwd compute", ev[1], marks["compute"]), ("gpu bwd wait", marks["compute"], marks["written"]),
+                         ("gpu bwd rows", marks["written"], marks["end"])]
+                for name, a, b in split:
+                    out[m].setdefault(name, []).append(a.elapsed_time(b))
+                for pos, (index, ready, done) in enumerate(marks["buckets"]):
+                    row = buckets[m].setdefault(pos, dict(bucket=index, ready=[], done=[]))
+                    row["ready"].append(ev[1].elapsed_time(ready))
+                    row["done"].append(ev[1].elapsed_time(done))
+    result = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in out.items()}
+    for m, rows in buckets.items():
+        if rows:
+            result[m]["buckets"] = [dict(bucket=r["bucket"], ready_ms=statistics.median(r["ready"]),
+                                         done_ms=statistics.median(r["done"])) for _, r in sorted(rows.items())]
+    return result
 
 
 def profile_steps(trainers, outdir, rank, steps=3):

@@ -37,6 +37,14 @@ def print_report(r):
         for m, d in r["phases"].items():
             print(f"{m:<28}" + "".join(f"{d['gpu ' + ph]:>14.3f}" for ph in PHASES) +
                   "".join(f"{d['host ' + ph]:>15.3f}" for ph in PHASES))
+        for m, d in r["phases"].items():
+            if "gpu bwd compute" not in d:
+                continue
+            print(f"#   {m}: backward = compute {d['gpu bwd compute']:.3f} + waiting for the buckets "
+                  f"{d['gpu bwd wait']:.3f} + tied rows {d['gpu bwd rows']:.3f} ms; per bucket (hand-out order) "
+                  "ms after backward began, gradients ready -> reduction ended (its lag):")
+            print("#     " + "; ".join(f"b{b['bucket']} {b['ready_ms']:.2f}->{b['done_ms']:.2f} "
+                                       f"({b['done_ms'] - b['ready_ms']:+.2f})" for b in d["buckets"]))
     if r.get("gpu_gaps"):
         print("# profiled eager steps (torch.profiler, rank 0): GPU span per step, time per step no kernel ran, "
               "largest gaps (us, the kernel after the gap)")

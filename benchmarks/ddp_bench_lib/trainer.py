@@ -3,6 +3,7 @@ under no wrapper (the floor), torch DDP or pynccl DDP (optionally with one of le
 and the step timer. Every mode builds the same model from the same seed and trains on the same
 fixed batch, so step times differ only by the data-parallel wrapper.
 """
+import contextlib
 import time
 
 import torch
@@ -137,7 +138,8 @@ class Trainer:
         ev[1].record()
         host[1] = time.perf_counter()
         works = self._start_hidden_comm()
-        loss.backward()
+        with self._backward_events() as marks:
+            loss.backward()
         for w in works:
             w.wait()
         ev[2].record()
@@ -145,7 +147,51 @@ class Trainer:
         self.opt.step()
         ev[3].record()
         host[3] = time.perf_counter()
-        return ev, host
+        return ev, host, marks
+
+    @contextlib.contextmanager
+    def _backward_events(self):
+        """pynccl DDP only: CUDA events inside its backward, for where the backward phase's time goes.
+        marks["compute"]: on the compute stream when the reducer's end-of-backward callback starts (so
+        it completes with the last compute kernel); ["written"] after the write-back (the compute stream
+        waited for every bucket's reduction); ["end"] after the tied rows' exchange; ["buckets"]: per
+        bucket in hand-out order, (index, event when its gradients are ready on the compute stream,
+        event when its reduction ends on the communicator's stream)."""
+        marks = {"buckets": []}
+        r = self.ddp.reducer if self.ddp is not None else None
+        if r is None or r.fused_comm is None:
+            yield marks
+            return
+        bucketer = r.bucketer
+        comm_stream = torch.cuda.ExternalStream(r.fused_comm.stream_handle)
+
+        def event(stream=None):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(stream)
+            return e
+
+        ready, end, write_back = bucketer.on_bucket_ready, bucketer.on_backward_end, r._write_back_all
+
+        def on_ready(b):
+            mark = event()
+            ready(b)
+            marks["buckets"].append((b.index, mark, event(comm_stream)))
+
+        def on_end():
+            marks["compute"] = event()
+            end()
+            marks["end"] = event()
+
+        def written():
+            write_back()
+            marks["written"] = event()
+
+        bucketer.on_bucket_ready, bucketer.on_backward_end, r._write_back_all = on_ready, on_end, written
+        try:
+            yield marks
+        finally:
+            bucketer.on_bucket_ready, bucketer.on_backward_end = ready, end
+            del r._write_back_all
 
     def _capture(self):
         # Eager warm-up on a side stream builds, then rebuilds, the buckets (see pynccl/ddp/module.py).

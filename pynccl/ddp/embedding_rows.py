@@ -19,10 +19,12 @@ tied bucket goes out every rank all-gathers how many distinct rows its lookups t
 the host only at the end of backward (no stream waits for it). At the end each rank sends those
 rows (padded to the largest count for the all-gather; on CUDA in place, through a buffer in an
 NCCL symmetric window made at the first exchange, so the gather runs on the copy engines: session
-14 measured 0.55 against 0.66 without it, 4xH100 GPT-2 medium), and every rank adds all of them, times
-the reducer's 1/N, to the all-reduced head part, rank by rank with index_add_ (a rank's ids are
-distinct, so each add is deterministic and the sum the same on every rank: the replicas stay
-equal); that becomes the weight's .grad. Where
+14 measured 0.55 against 0.66 without it, 4xH100 GPT-2 medium), in `rows_chunks` (4) slices of
+each rank's rows, and every rank adds all of them, times the reducer's 1/N, to the all-reduced head
+part, slice by slice and rank by rank with index_add_, each slice's adds running while the next
+slice is gathered (session 16, 4xH100 nanoGPT: 0.58 against 0.62 in one piece). A rank's ids are
+distinct, so each add is deterministic, and every rank adds in the same order: the sum is the same
+on every rank, the replicas stay equal. That becomes the weight's .grad. Where
 N x the largest count exceeds the vocabulary (the gathered rows would outweigh the dense
 gradient, on the wire and in memory) the lookups' gradient is all-reduced densely instead,
 decided alike on every rank from the gathered counts.
@@ -197,6 +199,10 @@ class TiedEmbeddingRows:
         # torch.cuda.max_memory_allocated). Off (every rank alike: the choice is not agreed on):
         # ordinary buffers (benchmarks/ddp_bench_lib/levers.py's lever "rows-plain-buffers").
         self.rows_in_window = True
+        # NOTE: the rows cross in this many slices of each rank's rows, each slice's index_add_s
+        # running while the next slice is gathered (on 4xH100 the exchange took 0.63 ms at the end of
+        # backward, session 16). Every rank alike (not agreed on): the slices are collectives.
+        self.rows_chunks = 4
         self._windows: List[object] = [None] * len(pairs)
         # NOTE: made once: the same objects at every install, so a model compiled inside DDP (nanoGPT's
         # order) does not see a new `forward` each step (dynamo would recompile).
@@ -424,25 +430,40 @@ class TiedEmbeddingRows:
         # NOTE: each rank's rows padded to `width` for the all-gather (the padding is never added).
         ids = torch.nonzero_static(mask, size=width, fill_value=0).reshape(-1)
         world = self.backend.world_size
-        window = self._rows_window(k)
-        if window is not None:           # in place: this rank's rows written straight into its slot
-            all_rows = window[: world * width]
-            rows = all_rows[self.rank * width: (self.rank + 1) * width]
-            if rest is not None:
-                torch.index_select(rest, 0, ids, out=rows)
-            else:
-                rows.zero_()
-        else:
-            rows = rest.index_select(0, ids) if rest is not None else w.new_zeros(width, w.shape[1])
-            all_rows = rows.new_empty(world * width, rows.shape[1])
         all_ids = ids.new_empty(world * width)
-        works = [self.backend.all_gather_into_tensor(all_ids, ids, async_op=True),
-                 self.backend.all_gather_into_tensor(all_rows, rows, async_op=True)]
-        for work in works:
+        id_work = self.backend.all_gather_into_tensor(all_ids, ids, async_op=True)
+        # NOTE: the rows cross in `chunks` slices of `step` rows per rank, each slice gathered into
+        # its own (world, step, dim) block, so slice c's index_add_s overlap slice c + 1's gather.
+        # The blocks must fit the window (vocabulary / world rows per rank); else one slice.
+        chunks = max(1, min(self.rows_chunks, width))
+        step = -(-width // chunks)
+        window = self._rows_window(k)
+        cap = window.shape[0] // world if window is not None else step * chunks
+        if step * chunks > cap:
+            chunks, step = 1, width
+        dim = w.shape[1]
+        if window is not None:           # in place: this rank's rows written straight into its slots
+            blocks = window[: chunks * world * step].view(chunks, world, step, dim)
+        else:
+            blocks = w.new_empty(chunks, world, step, dim)
+        works = []
+        for c in range(chunks):
+            lo, hi = c * step, min(width, (c + 1) * step)
+            mine = blocks[c, self.rank]
+            if rest is not None:
+                torch.index_select(rest, 0, ids[lo:hi], out=mine[: hi - lo])
+            else:
+                mine[: hi - lo].zero_()  # (a slot past hi - lo, in the last slice, is never added)
+            works.append(self.backend.all_gather_into_tensor(blocks[c].view(world * step, dim), mine, async_op=True))
+        id_work.wait()
+        # NOTE: slice by slice, then rank by rank, in rank order: within a rank's rows the ids are
+        # distinct (padding adds zeros to row 0), so each index_add_ is deterministic, and every
+        # rank adds the same rows in the same order (the replicas stay equal).
+        for c, work in enumerate(works):
             work.wait()
-        # NOTE: rank by rank, in rank order: within a rank's rows the ids are distinct (padding adds
-        # zeros to row 0), so each index_add_ is deterministic and every rank sums alike.
-        for r in range(world):
-            part = slice(r * width, r * width + counts[r])
-            held.index_add_(0, all_ids[part], all_rows[part], alpha=scale)
+            lo = c * step
+            for r in range(world):
+                hi = min(counts[r], lo + step)
+                if hi > lo:
+                    held.index_add_(0, all_ids[r * width + lo: r * width + hi], blocks[c, r, : hi - lo], alpha=scale)
         self.last_exchange = "rows"

@@ -98,7 +98,7 @@ class Join:
         if counts[_BUFFERS] > 0:
             ddp._broadcast_buffers(self._highest_active_rank(counts))
         if counts[_SYNC] > 0:
-            reducer.reduce_zeros()
+            reducer.reduce_zeros(None if self.divide_by_initial_world_size else counts[_ACTIVE])
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters (and buffers) of the highest-ranked last joiner."""

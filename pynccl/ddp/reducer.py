@@ -59,6 +59,12 @@ class Reducer:
         self.unpack_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.unpack_early = False        # _unpacks_early; off: no gain in the A/B of issue 26 (RESULTS, s9)
         self.tail_chunks = 1             # the fused last bucket's pack/all-reduce/unpack pipelined in slices
+        # NOTE: opt-in (ddp_bench's lever "copy-pack"): on the split paths (comm_path.py) the pack copies
+        # on the copy engines and each rank scales its reduced shard (reduce_bucket's copy_pack), so no
+        # pack kernel holds SMs beside backward. Measured slower than the pack kernel on 2xH100
+        # (benchmarks/RESULTS.md, session 16). Every rank must agree (a shard scaled by some ranks
+        # only is wrong): set it alike everywhere, before a step.
+        self.copy_pack = False
         self.retired_windows: List[torch.Tensor] = []   # embedding_rows.py's, freed outside a capture
         # The communicator that runs a whole bucket in one C++ call (see _fused_comm), or None.
         self.fused_comm = None
@@ -289,7 +295,8 @@ class Reducer:
             work = self.fused_comm.reduce_bucket(sources, b.extra["wire"], self.scale, self.pack_stream.cuda_stream,
                                                  self.comm_path.split_all_reduce,
                                                  self.unpack_stream.cuda_stream if early else 0,
-                                                 self.tail_chunks if last else 1, b.extra.get("scratch"))
+                                                 self.tail_chunks if last else 1, b.extra.get("scratch"),
+                                                 self._copy_pack(b))
             handle = comm_hooks._Pending(work, b.extra["result"])
         elif self.pack_stream is not None:
             # The same through Python: pack on the side stream, the hook's collective after it.
@@ -302,6 +309,11 @@ class Reducer:
         if self.overlap is not None:
             self.overlap.step_bucket(b, handle)
 
+    def _copy_pack(self, b: Bucket) -> bool:
+        """Whether bucket b's fused call packs on the copy engines and scales the reduced shard
+        instead (decided from what every rank shares: the setting, the path, the wire's dtype)."""
+        return self.copy_pack and self.comm_path.split_all_reduce and b.extra["wire"].dtype == b.dtype
+
     def set_divisor(self, divisor=None) -> None:
         """A built-in hook divides by `divisor` instead of its group's size (join() with
         divide_by_initial_world_size=False; a user's hook divides as it likes); None restores it."""
@@ -309,11 +321,14 @@ class Reducer:
             self.scale = 1.0 / (divisor or comm_hooks.hook_world_size(self.hook_state))
 
     @torch.no_grad()
-    def reduce_zeros(self) -> None:
+    def reduce_zeros(self, divisor=None) -> None:
         """A joined rank's part in one backward of the ranks still training (join.py): each
         bucket's reduction, of zeros, through the same hook and in the same order, then the
-        used-map all-reduce where they run one (_globally_unused)."""
+        used-map all-reduce where they run one (_globally_unused). `divisor`: what the ranks still
+        training divide by (set_divisor's; None: the group's size), for a shard that every rank
+        scales (copy_pack)."""
         handles, packed, last = [], [], len(self.bucketer.buckets) - 1
+        scale = 1.0 / divisor if divisor and self.builtin_hook else self.scale
         for b in self.bucketer.buckets:
             zeros = torch.zeros_like(b.extra["result"])
             if self.fused_comm is not None:
@@ -321,10 +336,12 @@ class Reducer:
                 # wire: padded, split or not, the last bucket in slices), with zeros packed in. A
                 # wire in a symmetric window runs NCCL's symmetric kernel; a joined rank reducing a
                 # plain buffer would run another algorithm than its peers (it hung on 2xH100, s9).
-                work = self.fused_comm.reduce_bucket([zeros], b.extra["wire"], 1.0, self.pack_stream.cuda_stream,
+                # NOTE: the training ranks' scale, not 1: zeros scale to zeros in a pack, but with
+                # copy_pack every rank scales its reduced shard, this one's too.
+                work = self.fused_comm.reduce_bucket([zeros], b.extra["wire"], scale, self.pack_stream.cuda_stream,
                                                      self.comm_path.split_all_reduce, 0,
                                                      self.tail_chunks if b.index == last else 1,
-                                                     b.extra.get("scratch"))
+                                                     b.extra.get("scratch"), self._copy_pack(b))
                 handles.append(comm_hooks._Pending(work, b.extra["result"]))
                 packed.append(zeros)         # read on the pack stream: alive until the waits below
             elif self.builtin_hook:
