@@ -256,6 +256,11 @@ def main():
     p.add_argument("--profile", metavar="DIR", help="also profile 3 eager steps of each eager mode: GPU idle time "
                    "and its largest gaps are reported; chrome traces (rank 0) go to DIR")
     args = p.parse_args()
+    if args.levers is not None and (args.compare_priority or args.compare_py_path):
+        # NOTE: --levers times only its windows against the floor, torch DDP and pynccl DDP; these
+        # modes would be dropped without a word (session 16 lost a priority A/B that way).
+        p.error("--levers runs its lever windows against the floor, torch DDP and pynccl DDP only; "
+                "--compare-priority and --compare-py-path need a run without --levers (or the lever comm-prio0)")
     args.prio0_group = None                             # set in the workers by --compare-priority
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("ddp_bench: no CUDA GPU here; --device cpu runs the code paths on gloo")

@@ -47,3 +47,15 @@ def test_ddp_bench_hidden_allreduce_bound_on_cpu(tmp_path):
     assert list(r["modes"]) == ["no DDP", "no DDP + hidden all-reduce", "torch DDP", "pynccl DDP"]
     assert all(m["n"] == 4 and m["median_ms"] > 0 for m in r["modes"].values()), r["modes"]
     assert "'no DDP + hidden all-reduce' (the same bytes all-reduced from backward's start" in proc.stdout
+
+
+def test_ddp_bench_refuses_modes_that_levers_would_drop():
+    """--levers times only its windows against the three baselines: asking for the priority or
+    Python-path modes as well is an error naming why, not a run that silently leaves them out."""
+    env = dict(os.environ, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="")
+    for extra in ("--compare-priority", "--compare-py-path"):
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "ddp_bench.py"), "--device", "cpu",
+                               "--model", "tiny", "--levers", "bucket-10mb", extra],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (extra, proc.stdout[-2000:], proc.stderr[-2000:])
+        assert "--compare-priority and --compare-py-path need a run without --levers" in proc.stderr, proc.stderr
