@@ -133,7 +133,7 @@ def unavailable(lever: Lever) -> Optional[str]:
     """Why `lever` cannot run in this process (the runtime NCCL is too old), or None."""
     if lever.min_nccl > (2, 18, 0) or lever.nccl_env or lever.register_buffers or lever.comm_prio0 or \
             "comm_path" in lever.ddp_kwargs or lever.unpack_early is not None or lever.tail_chunks != 1 or \
-            lever.rows_in_window is not None:
+            lever.rows_in_window is not None or lever.copy_pack is not None:
         if not pynccl.is_initialized() or pynccl.get_backend() != "nccl":
             return "needs the nccl backend"
         version = pynccl.nccl_version()          # the headers pynccl was built with and the library loaded

@@ -438,8 +438,7 @@ class TiedEmbeddingRows:
         chunks = max(1, min(self.rows_chunks, width))
         step = -(-width // chunks)
         window = self._rows_window(k)
-        cap = window.shape[0] // world if window is not None else step * chunks
-        if step * chunks > cap:
+        if window is not None and step * chunks > window.shape[0] // world:
             chunks, step = 1, width
         dim = w.shape[1]
         if window is not None:           # in place: this rank's rows written straight into its slots
