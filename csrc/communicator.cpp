@@ -6,8 +6,13 @@
 
 #include "communicator.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <future>
+#include <iostream>
+#include <thread>
 #include <utility>
 
 #include "check.h"
@@ -271,12 +276,40 @@ void Communicator::finish_deferred_abort() {
   abort_now();
 }
 
+namespace {
+
+// How long an abort waits for ncclCommAbort before it returns anyway.
+constexpr double kTeardownWaitS = 10.0;
+
+// Runs `call` (ncclCommAbort of a communicator nobody else uses any more) on a thread of its own
+// and waits at most kTeardownWaitS for it. NCCL's abort does not return while a CUDA graph that
+// captured the communicator's collectives is alive (commDestroySync polls until no graph
+// references it: NVIDIA/nccl src/init.cc), and an abort must not hang its caller (a watchdog's
+// time-out, an error path, a destructor). Past the wait the call finishes in the background, once
+// the graphs are destroyed, and a line on stderr says so. Returns its result, or ncclInProgress.
+// (A destroy's finalize waits for the graphs too, bounded by the group's timeout; the
+// ncclCommDestroy after it does not wait for them.)
+ncclResult_t teardown_bounded(const std::string& what, int device, std::function<ncclResult_t()> call) {
+  auto result = std::make_shared<std::promise<ncclResult_t>>();
+  std::future<ncclResult_t> done = result->get_future();
+  std::thread([device, call = std::move(call), result] {
+    (void)cudaSetDevice(device);
+    result->set_value(call());
+  }).detach();
+  if (done.wait_for(std::chrono::duration<double>(kTeardownWaitS)) == std::future_status::ready) return done.get();
+  std::cerr << "pynccl: " << what << " has not returned after " << seconds_text(kTeardownWaitS)
+            << ": NCCL waits for every CUDA graph that captured this communicator's collectives to be destroyed "
+               "(drop them: del graph; gc.collect()); it finishes in the background then\n";
+  return ncclInProgress;
+}
+
+}  // namespace
+
 void Communicator::abort_now() {
   if (comm_ == nullptr) return;
-  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));  // restores the caller's device
+  ncclComm_t comm = std::exchange(comm_, nullptr);
   // ncclResult_t ncclCommAbort(ncclComm_t comm);
-  (void)ncclCommAbort(comm_);
-  comm_ = nullptr;
+  (void)teardown_bounded("ncclCommAbort of " + describe(), device_, [comm] { return ncclCommAbort(comm); });
 }
 
 void Communicator::stop_watchdog() {

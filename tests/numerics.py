@@ -86,12 +86,14 @@ def adam_step_bound(betas, step: int) -> float:
     return best
 
 
-def adam_atol(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad_rtol: float) -> torch.Tensor:
+def adam_atol(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad_rtol: float,
+              grad_scale: float = 0.0) -> torch.Tensor:
     """Element-wise bound on |p - p_ref| after the reference optimizer's steps, for two Adam(W)
-    runs whose gradients agreed to grad_rtol (relative to the tensor's largest gradient).
-    `optimizer` is the reference's, holding `param`'s state."""
+    runs whose gradients agreed to grad_rtol (relative to the tensor's largest gradient, or to
+    grad_scale where that is larger: see adam_state_atol). `optimizer` is the reference's,
+    holding `param`'s state."""
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-    return adam_state_atol(optimizer.state[param], group, param, grad_rtol)
+    return adam_state_atol(optimizer.state[param], group, param, grad_rtol, grad_scale)
 
 
 def _adam_gradient_scale(state: dict, group: dict):
@@ -104,11 +106,15 @@ def _adam_gradient_scale(state: dict, group: dict):
     return rms, rms.max().item() / math.sqrt(min_weight)
 
 
-def adam_state_atol(state: dict, group: dict, param: torch.Tensor, grad_rtol: float) -> torch.Tensor:
+def adam_state_atol(state: dict, group: dict, param: torch.Tensor, grad_rtol: float,
+                    grad_scale: float = 0.0) -> torch.Tensor:
     """adam_atol from one parameter's Adam state (step, exp_avg_sq) and its param group (lr,
-    betas, eps), e.g. read from a checkpoint."""
+    betas, eps), e.g. read from a checkpoint. grad_scale: the largest |term| of a gradient that is
+    a sum over ranks, where it exceeds the sum's (the ranks' terms partly cancel): two orders of
+    that sum differ by a multiple of the terms' rounding, not of the sum's."""
     steps = int(state["step"])
     rms, largest = _adam_gradient_scale(state, group)
+    largest = max(largest, grad_scale or 0.0)
     c = adam_step_bound(group["betas"], steps)
     per_step = torch.clamp(2 * grad_rtol * largest / (rms + group["eps"]), max=2 * c)
     # + the rounding of the parameter's own value at each step (|p|·eps/2 per update, both runs).
@@ -133,7 +139,7 @@ def trained_atol(optimizer: torch.optim.Optimizer, param: torch.Tensor, grad_rto
     if grad_scale is None:
         return 0.0
     if "exp_avg_sq" in optimizer.state.get(param, {}):
-        return adam_atol(optimizer, param, grad_rtol)
+        return adam_atol(optimizer, param, grad_rtol, grad_scale)
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
     return (sgd_atol(group["lr"], steps, grad_rtol * grad_scale, group.get("momentum", 0.0), group.get("nesterov", False))
             + steps * eps(param.dtype) * param.detach().abs().max().item())   # the value's own rounding

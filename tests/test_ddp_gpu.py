@@ -94,6 +94,37 @@ def _step(model, opt, x, y, set_to_none=True, grad_scale=None):
     return loss
 
 
+def _record_local_grad_scale(model, grad_scale: dict) -> None:
+    """grad_scale[p] >= the largest |local gradient| p gets, from now on: a tensor hook sees this
+    rank's own term before DDP reduces it. Above 2 ranks the terms partly cancel, so the reduced
+    gradient can be smaller than they are, while two orders of the sum differ by a multiple of the
+    terms' rounding (numerics.adam_state_atol's grad_scale). Eager models only (a host sync)."""
+    for p in getattr(model, "module", model).parameters():
+        p.register_hook(lambda g, p=p: grad_scale.__setitem__(p, max(grad_scale.get(p, 0.0), g.abs().max().item())))
+
+
+def _max_over_ranks(grad_scale: dict, model, group) -> None:
+    """grad_scale's entries become their largest over the ranks (a term of the sum is any rank's)."""
+    params = [p for p in getattr(model, "module", model).parameters() if p in grad_scale]
+    if not params:
+        return
+    values = torch.tensor([grad_scale[p] for p in params], dtype=torch.float64, device=params[0].device)
+    tdist.all_reduce(values, tdist.ReduceOp.MAX, group=group)
+    grad_scale.update(zip(params, values.tolist()))
+
+
+def _compares_trajectory(opt_name, ws) -> bool:
+    """Whether a run of several steps is held to numerics.trained_atol against torch DDP's run.
+    Not AdamW above 2 ranks: there the two communicators' sums reassociate from the first step, the
+    parameters' differences feed back into later gradients, and AdamW divides each element's update
+    by its own gradient history, which first-order bounds do not cover (session 17, 4xH100: 1-4x
+    the bound after 4-8 steps; session 12 saw the same over 6 steps). At 2 ranks fp32 sums of two
+    terms are exact in any order; above, AdamW is compared step by step from equal states
+    (_against_torch_ddp), and the runs here are still held to each other (graphed against eager,
+    every rank against the last joiner)."""
+    return ws <= 2 or opt_name != "adamw"
+
+
 def vs_torch_rtol(ws):
     """Relative gradient difference against torch DDP (tests/numerics.py): the same local forward
     and backward (the same kernels on the same shapes); NCCL sums ws terms in an order the two
@@ -262,13 +293,31 @@ def _join_against_torch(rank, ws):
             theirs, opt_theirs = _build(device, lambda m: TorchDDP(m, device_ids=[device.index], process_group=torch_pg,
                                                                    bucket_cap_mb=BUCKET_MB), True, opt=opt_name)
             scale = {}
+            _record_local_grad_scale(theirs, scale)
             for model, opt, record in ((ours, opt_ours, None), (theirs, opt_theirs, scale)):
                 with model.join(**join_kw):
                     for x, y in data:
                         _step(model, opt, x, y, grad_scale=record)
             torch.cuda.synchronize()
-            _assert_trained_close(ours, theirs, opt_theirs, scale, vs_torch_rtol(ws),
-                                  f"join {join_kw} {opt_name} vs torch DDP's join", steps=len(data))
+            _max_over_ranks(scale, theirs, torch_pg)
+            what = f"join {join_kw} {opt_name}"
+            # Every rank ends with the last joiner's model (rank ws - 1, with ws batches), trained by
+            # that rank's optimizer: compared there, with its optimizer state and gradient scale. (An
+            # earlier joiner's optimizer stepped fewer times: its state bounds fewer steps than the
+            # model it holds took, and at 4 ranks, where the sums reassociate, that bound failed.)
+            # Every rank holds it, bit for bit, on both sides (checked first: a collective, which a
+            # rank that failed the comparison below would leave its peers waiting in).
+            same = []
+            for model in (ours, theirs):
+                mine = torch.cat([p.reshape(-1) for p in _params(model)])
+                last = mine.clone()
+                tdist.broadcast(last, ws - 1, group=torch_pg)
+                same.append(torch.equal(mine, last))
+            assert same == [True, True], f"{what}: rank {rank}'s models (pynccl, torch) equal to the last " \
+                f"joiner's: {same}"
+            if rank == ws - 1 and _compares_trajectory(opt_name, ws):
+                _assert_trained_close(ours, theirs, opt_theirs, scale, vs_torch_rtol(ws),
+                                      f"{what} vs torch DDP's join", steps=len(data))
     return True
 
 
@@ -312,6 +361,8 @@ def _graph_vs_eager(rank, ws, static_graph, opt_name, torch_pg):
                                                            bucket_cap_mb=BUCKET_MB, static_graph=static_graph),
                                 opt=opt_name, **opt_kw)
     eager_scale, their_scale = {}, {}
+    _record_local_grad_scale(eager, eager_scale)
+    _record_local_grad_scale(theirs, their_scale)
     for x, y in data:
         _step(eager, opt_eager, x, y, grad_scale=eager_scale)
         _step(theirs, opt_theirs, x, y, grad_scale=their_scale)
@@ -338,10 +389,14 @@ def _graph_vs_eager(rank, ws, static_graph, opt_name, torch_pg):
         static_y.copy_(y)
         graph.replay()
     torch.cuda.synchronize()
+    _max_over_ranks(eager_scale, eager, torch_pg)
+    _max_over_ranks(their_scale, theirs, torch_pg)
     what = f"CUDA graph (static_graph={static_graph}) {opt_name}"
     # The same kernels and communicator as eager: only NCCL's choice of order may differ.
     _assert_trained_close(graphed, eager, opt_eager, eager_scale, vs_torch_rtol(ws), f"{what} vs eager", steps=8)
-    _assert_trained_close(graphed, theirs, opt_theirs, their_scale, vs_torch_rtol(ws), f"{what} vs torch DDP", steps=8)
+    if _compares_trajectory(opt_name, ws):
+        _assert_trained_close(graphed, theirs, opt_theirs, their_scale, vs_torch_rtol(ws), f"{what} vs torch DDP",
+                              steps=8)
     return True
 
 

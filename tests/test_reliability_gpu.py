@@ -4,6 +4,7 @@ survivors within the timeout, never as a hang; the processes can still exit clea
 (The default, which ends the process, and more faults: test_faults_gpu.py. The single-GPU
 watchdog and abort tests are in test_nccl_timeouts_lifecycle.py; the same scenarios on gloo run in CI
 in test_reliability.py.)"""
+import gc
 import os
 import signal
 import time
@@ -51,6 +52,46 @@ def _skipped_collective(rank, ws):
         pynccl.barrier()
     pynccl.abort_process_group()
     return time.monotonic() - start, str(info.value)
+
+
+def _abort_with_a_live_graph(rank, ws, stderr_path):
+    """ncclCommAbort does not return while a CUDA graph that captured the communicator's
+    collectives is alive (NVIDIA/nccl src/init.cc, commDestroySync): pynccl's abort waits 10 s for
+    it, says so on stderr and returns, leaving NCCL to finish once the graph is gone."""
+    device = pynccl.get_device()
+    t = torch.ones(1 << 10, device=device)
+    pynccl.all_reduce(t)                      # connected before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pynccl.all_reduce(t)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert t[0].item() == ws ** 2, t[0].item()
+    fd = os.open(f"{stderr_path}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    saved = os.dup(2)
+    os.dup2(fd, 2)                            # the C++ warning goes to fd 2
+    try:
+        start = time.monotonic()
+        pynccl.abort_process_group()          # the graph is alive: NCCL's abort would wait for ever
+        elapsed = time.monotonic() - start
+    finally:
+        os.dup2(saved, 2)
+        os.close(fd)
+    del graph
+    gc.collect()                              # now NCCL's abort can finish in the background
+    with open(f"{stderr_path}.{rank}") as f:
+        return elapsed, f.read()
+
+
+@pytest.mark.multigpu
+@needs_2_gpus
+def test_abort_returns_while_a_captured_graph_is_alive(tmp_path):
+    out = run_multiprocess(_abort_with_a_live_graph, 2, backend="nccl", start_method="spawn", timeout=120,
+                           args=(str(tmp_path / "stderr"),))
+    for elapsed, err in out:
+        assert elapsed < 10 + 5, (elapsed, err)
+        assert "has not returned after" in err and "CUDA graph" in err, err
 
 
 @pytest.mark.multigpu

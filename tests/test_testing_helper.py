@@ -44,3 +44,29 @@ def test_hung_rank_is_killed_and_its_stack_reported():
     assert "rank 1: still running after the 3s timeout (killed)" in msg
     assert "_wait_forever_in_a_named_function" in msg, msg
     assert "rank 0" not in msg
+
+
+class _HangsWhenCollected:
+    def __del__(self):
+        while True:
+            time.sleep(0.05)
+
+
+def _raise_then_hang_in_teardown(rank, world_size):
+    if rank == 1:
+        held = _HangsWhenCollected()
+        held.me = held        # a cycle: freed only by the collection the teardown runs before aborting
+        raise ValueError("rank one raised first")
+    return rank
+
+
+def test_rank_that_raised_then_hung_in_teardown_reports_both():
+    """The error a rank raised is not lost when its teardown then hangs (session 16: the 4-rank
+    CUDA-graph test's errors showed only as hangs in ncclCommAbort)."""
+    with pytest.raises(MultiProcessError) as info:
+        run_multiprocess(_raise_then_hang_in_teardown, 2, backend=None, timeout=5)
+    msg = str(info.value)
+    assert "rank 1 raised" in msg and "ValueError: rank one raised first" in msg, msg
+    assert "then rank 1: still running after the 5s timeout (killed)" in msg, msg
+    assert "_HangsWhenCollected" in msg or "__del__" in msg, msg     # where it hung: the collection
+    assert "rank 0" not in msg

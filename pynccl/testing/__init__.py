@@ -17,6 +17,7 @@ tensor-parallel ones against; multinode.py starts N torchrun agents on one host,
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -60,9 +61,13 @@ def _child(fn, rank, world_size, env, backend, init_kwargs, args, kwargs, result
         except BaseException:
             # Reported before any teardown: destroy is collective (NCCL's finalize), and a peer
             # still waiting in a collective would hold it, so the error would show as a hang.
-            # Abort is local and never blocks.
             results.put((rank, "error", traceback.format_exc()))
             code = 1
+        if code:
+            # NOTE: out of the except block and after a collection, so the traceback's frames and
+            # what they held are gone: ncclCommAbort waits until every CUDA graph that captured
+            # the communicator's collectives is destroyed (pynccl bounds that wait, then warns).
+            gc.collect()
             if backend is not None and pynccl.is_initialized():
                 pynccl.abort_process_group()
         else:
@@ -170,7 +175,8 @@ def run_multiprocess(fn: Callable, world_size: int, backend: Optional[str] = "gl
         status, value = outcomes.get(r, (None, None))
         if r in hung:
             where = f"; its stacks then:\n{stacks[r]}" if stacks.get(r) else ""
-            failures.append(f"rank {r}: still running after the {timeout:.0f}s timeout (killed){where}")
+            raised = f"rank {r} raised:\n{value}\nthen " if status == "error" else ""
+            failures.append(f"{raised}rank {r}: still running after the {timeout:.0f}s timeout (killed){where}")
         elif status == "error":
             if r not in expected_bad:
                 failures.append(f"rank {r} raised:\n{value}")
