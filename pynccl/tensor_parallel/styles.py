@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import distributed as dist
+from . import grad_overlap
 from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                    gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region,
                    scatter_to_tensor_parallel_region)
@@ -81,6 +82,10 @@ class ColwiseParallel(ParallelStyle):
             if summed and not style.input_layout.is_replicate():
                 raise ValueError(f"ColwiseParallel(input_layouts={style.input_layout}): the input was made "
                                  f"Replicate() by a PrepareModuleInput; declare input_layouts=Replicate()")
+            taken = grad_overlap.take_alias(x, mod) if summed else None
+            if taken is not None:            # the weight gradient overlaps the input gradient's collective
+                y = grad_overlap.linear(x, taken[0], mod.bias, taken[1], mod, transposed=conv1d)
+                return gather_from_tensor_parallel_region(y, group) if gather_output else y
             # (b, s, in), or (b, s/tp, in) with a Shard(seq) input -> (b, s, out/tp), or (b, s, out) gathered
             return column_parallel_linear(x, mod.weight.t() if conv1d else mod.weight, mod.bias, group,
                                           sequence_parallel=style.input_layout.is_shard(), gather_output=gather_output,
@@ -225,27 +230,51 @@ class PrepareModuleInput(ParallelStyle):
             raise ValueError(f"{name}: already has a PrepareModuleInput")
         setattr(module, STYLE_ATTR + "_input", self)
 
+        readers = []                 # the ColwiseParallel layers inside, found at the first forward
+
         def hook(mod, args, kwargs):
-            args = tuple(_relayout(a, *self.arg_layouts[i], group) if i < len(self.arg_layouts) else a
+            if not readers:
+                readers.append(_colwise_readers(mod))
+            # NOTE: the backward overlap (grad_overlap.py) only where one input is made whole here:
+            # each reader's weight alias belongs to that input.
+            overlap = readers[0] if self._wholes(args, kwargs) == 1 else []
+            args = tuple(_relayout(a, *self.arg_layouts[i], group, overlap) if i < len(self.arg_layouts) else a
                          for i, a in enumerate(args))
-            kwargs = {k: _relayout(v, *self.kwarg_layouts[k], group) if k in self.kwarg_layouts else v
+            kwargs = {k: _relayout(v, *self.kwarg_layouts[k], group, overlap) if k in self.kwarg_layouts else v
                       for k, v in kwargs.items()}
             return args, kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
 
+    def _wholes(self, args, kwargs) -> int:
+        """How many tensors this call makes whole (desired Replicate())."""
+        pairs = [(a, layouts) for a, layouts in zip(args, self.arg_layouts)]
+        pairs += [(v, self.kwarg_layouts[k]) for k, v in kwargs.items() if k in self.kwarg_layouts]
+        return sum(isinstance(a, torch.Tensor) and src is not None and dst is not None and dst.is_replicate()
+                   for a, (src, dst) in pairs)
 
-def _relayout(x, src, dst, group):
+
+def _colwise_readers(module: nn.Module) -> list:
+    """The ColwiseParallel linears (nn.Linear, Conv1D) inside `module`: the readers of its input."""
+    return [m for m in module.modules() if m is not module and isinstance(getattr(m, STYLE_ATTR, None), ColwiseParallel)
+            and (isinstance(m, nn.Linear) or is_conv1d(m))]
+
+
+def _relayout(x, src, dst, group, readers=()):
     if src is None or dst is None or not isinstance(x, torch.Tensor) or dist.get_world_size(group) == 1:
         return x
     if dst.is_replicate():
-        if src.is_replicate():
-            x = copy_to_tensor_parallel_region(x, group)
-        elif is_sequence_dim(src, x.dim()):
-            x = gather_from_sequence_parallel_region(x, group, grad_is_partial=True, seq_dim=src.dim)
-        else:
+        if not src.is_replicate() and not is_sequence_dim(src, x.dim()):
             raise ValueError(f"PrepareModuleInput: {src} -> Replicate() is supported along the sequence, "
                              f"not the last dim, of an input of shape {tuple(x.shape)}")
+        seq_dim = None if src.is_replicate() else src.dim % x.dim()
+        whole = grad_overlap.start(x, group, readers, seq_dim) if readers else None
+        if whole is not None:
+            x = whole
+        elif src.is_replicate():
+            x = copy_to_tensor_parallel_region(x, group)
+        else:
+            x = gather_from_sequence_parallel_region(x, group, grad_is_partial=True, seq_dim=src.dim)
         setattr(x, GRAD_REDUCED_BY, group)
         return x
     if src.is_replicate():
