@@ -289,17 +289,33 @@ constexpr double kTeardownWaitS = 10.0;
 // the graphs are destroyed, and a line on stderr says so. Returns its result, or ncclInProgress.
 // (A destroy's finalize waits for the graphs too, bounded by the group's timeout; the
 // ncclCommDestroy after it does not wait for them.)
-ncclResult_t teardown_bounded(const std::string& what, int device, std::function<ncclResult_t()> call) {
-  auto result = std::make_shared<std::promise<ncclResult_t>>();
-  std::future<ncclResult_t> done = result->get_future();
-  std::thread([device, call = std::move(call), result] {
-    (void)cudaSetDevice(device);
-    result->set_value(call());
-  }).detach();
+// `running` is true from the start of the call until it returns (on that thread).
+// NOTE: reached from leave_call() inside noexcept destructors too: nothing here may throw. Where no
+// thread can be started, the call runs here, unbounded, as before.
+ncclResult_t teardown_bounded(const char* what, int device, const std::function<ncclResult_t()>& call,
+                              const std::shared_ptr<std::atomic<bool>>& running) noexcept {
+  std::future<ncclResult_t> done;
+  try {
+    auto result = std::make_shared<std::promise<ncclResult_t>>();
+    done = result->get_future();
+    running->store(true);
+    std::thread([device, call, result, running] {
+      (void)cudaSetDevice(device);
+      const ncclResult_t r = call();
+      running->store(false);
+      result->set_value(r);
+    }).detach();
+  } catch (...) {
+    running->store(false);
+    return call();
+  }
   if (done.wait_for(std::chrono::duration<double>(kTeardownWaitS)) == std::future_status::ready) return done.get();
-  std::cerr << "pynccl: " << what << " has not returned after " << seconds_text(kTeardownWaitS)
-            << ": NCCL waits for every CUDA graph that captured this communicator's collectives to be destroyed "
-               "(drop them: del graph; gc.collect()); it finishes in the background then\n";
+  try {
+    std::cerr << "pynccl: " << what << " has not returned after " << kTeardownWaitS
+              << " s: NCCL waits for every CUDA graph that captured this communicator's collectives to be "
+                 "destroyed (drop them: del graph; gc.collect()); it finishes in the background then\n";
+  } catch (...) {
+  }
   return ncclInProgress;
 }
 
@@ -309,7 +325,12 @@ void Communicator::abort_now() {
   if (comm_ == nullptr) return;
   ncclComm_t comm = std::exchange(comm_, nullptr);
   // ncclResult_t ncclCommAbort(ncclComm_t comm);
-  (void)teardown_bounded("ncclCommAbort of " + describe(), device_, [comm] { return ncclCommAbort(comm); });
+  std::string what = "ncclCommAbort";
+  try {
+    what += " of " + describe();
+  } catch (...) {
+  }
+  (void)teardown_bounded(what.c_str(), device_, [comm] { return ncclCommAbort(comm); }, nccl_abort_running_);
 }
 
 void Communicator::stop_watchdog() {

@@ -30,6 +30,7 @@ struct SymmetricAllocation {
   void* window = nullptr;
   int device = -1;
   std::weak_ptr<Communicator> owner;  // the window's communicator; expired or unusable: nothing to deregister
+  std::shared_ptr<std::atomic<bool>> nccl_abort_running;  // the owner's: its abort still inside NCCL
 };
 
 // Waits (bounded) for the work queued so far on `stream`: memory is only freed after the GPU is
@@ -86,9 +87,16 @@ at::Tensor Communicator::alloc_symmetric(int64_t num_bytes) {
   allocation->window = window;
   allocation->device = device_;
   allocation->owner = weak_from_this();
+  allocation->nccl_abort_running = nccl_abort_running_;
   const double drain_timeout_s = timeout_s();
   auto release = [allocation, drain_timeout_s](void*) {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(allocation->device));
+    if (allocation->nccl_abort_running->load()) {
+      // NOTE: the window is still NCCL's until its abort (waiting for a CUDA graph) finishes.
+      std::cerr << "pynccl: a symmetric buffer freed while its communicator's abort still waits in NCCL; "
+                   "its memory is leaked rather than freed under NCCL\n";
+      return;
+    }
     if (auto comm = allocation->owner.lock()) comm->release_window(allocation->window);
     const auto device = static_cast<c10::DeviceIndex>(allocation->device);
     // NOTE: a tensor's storage dies when Python drops it, while kernels that read or write it may
@@ -109,7 +117,8 @@ void Communicator::release_window(void* window) {
   const WindowDeregisterFn fn = optional_nccl_api().window_deregister;
   if (fn == nullptr || window == nullptr) return;
   const InFlight in_flight(*this);
-  // NOTE: an aborted or destroyed communicator took its windows with it.
+  // NOTE: an aborted or destroyed communicator took its windows with it (an abort that outlived its
+  // wait does so when it finishes; the deleters leak the memory until then: nccl_abort_running_).
   if (state_.load() != static_cast<int>(CommState::kOk)) return;
   // Work queued on the communicator's stream may still use the window.
   if (comm_stream_) (void)drain_stream(comm_stream_->stream(), timeout_s());

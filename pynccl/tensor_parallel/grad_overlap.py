@@ -91,6 +91,9 @@ class _DeferredWeightGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, state, key):
         ctx.state, ctx.key = state, key
+        # NOTE: the reader's linear returns no gradient for the alias: None here, not a zero tensor
+        # of the weight's size made (and added) inside the overlap window.
+        ctx.set_materialize_grads(False)
         return weight.view_as(weight)
 
     @staticmethod
