@@ -291,12 +291,7 @@ class Reducer:
         if self.fused_comm is not None:
             # pack on the side stream, then the all-reduce (then the unpack): one C++ call (bucket_reduce.cpp)
             early = self._unpacks_early(b)
-            last = b.index == len(self.bucketer.buckets) - 1
-            work = self.fused_comm.reduce_bucket(sources, b.extra["wire"], self.scale, self.pack_stream.cuda_stream,
-                                                 self.comm_path.split_all_reduce,
-                                                 self.unpack_stream.cuda_stream if early else 0,
-                                                 self.tail_chunks if last else 1, b.extra.get("scratch"),
-                                                 self._copy_pack(b))
+            work = self._fused_reduce(b, sources, self.scale, early)
             handle = comm_hooks._Pending(work, b.extra["result"])
         elif self.pack_stream is not None:
             # The same through Python: pack on the side stream, the hook's collective after it.
@@ -308,6 +303,19 @@ class Reducer:
         self.pending.append((b, handle, sources, early))  # sources: alive until the streams join
         if self.overlap is not None:
             self.overlap.step_bucket(b, handle)
+
+    def _fused_reduce(self, b: Bucket, sources: List[torch.Tensor], scale: float, early: bool = False):
+        """Bucket b's one C++ call (bucket_reduce.cpp): `sources` packed into its wire times `scale`,
+        reduced, and with `early` unpacked on the unpack stream. NOTE: the one place that makes it,
+        for a training rank's gradients and a joined rank's zeros alike (reduce_zeros), so every rank
+        makes the same NCCL calls for b: its own wire (a symmetric window: the same kernel), split or
+        not, the last bucket in slices, the all-to-all's scratch, the copy-engine pack."""
+        last = b.index == len(self.bucketer.buckets) - 1
+        return self.fused_comm.reduce_bucket(sources, b.extra["wire"], scale, self.pack_stream.cuda_stream,
+                                             self.comm_path.split_all_reduce,
+                                             self.unpack_stream.cuda_stream if early else 0,
+                                             self.tail_chunks if last else 1, b.extra.get("scratch"),
+                                             self._copy_pack(b))
 
     def _copy_pack(self, b: Bucket) -> bool:
         """Whether bucket b's fused call packs on the copy engines and scales the reduced shard
@@ -332,16 +340,11 @@ class Reducer:
         for b in self.bucketer.buckets:
             zeros = torch.zeros_like(b.extra["result"])
             if self.fused_comm is not None:
-                # NOTE: the very call the training ranks make (reduce_bucket into the bucket's own
-                # wire: padded, split or not, the last bucket in slices), with zeros packed in. A
-                # wire in a symmetric window runs NCCL's symmetric kernel; a joined rank reducing a
-                # plain buffer would run another algorithm than its peers (it hung on 2xH100, s9).
-                # NOTE: the training ranks' scale, not 1: zeros scale to zeros in a pack, but with
-                # copy_pack every rank scales its reduced shard, this one's too.
-                work = self.fused_comm.reduce_bucket([zeros], b.extra["wire"], scale, self.pack_stream.cuda_stream,
-                                                     self.comm_path.split_all_reduce, 0,
-                                                     self.tail_chunks if b.index == last else 1,
-                                                     b.extra.get("scratch"), self._copy_pack(b))
+                # NOTE: the very call the training ranks make (_fused_reduce), with zeros packed in:
+                # a joined rank reducing a plain buffer ran another NCCL algorithm than its peers
+                # and hung (2xH100, s9). The training ranks' scale, not 1: zeros scale to zeros in a
+                # pack, but with copy_pack every rank scales its reduced shard, this one's too.
+                work = self._fused_reduce(b, [zeros], scale)
                 handles.append(comm_hooks._Pending(work, b.extra["result"]))
                 packed.append(zeros)         # read on the pack stream: alive until the waits below
             elif self.builtin_hook:
