@@ -233,11 +233,14 @@ class PrepareModuleInput(ParallelStyle):
         readers = []                 # the ColwiseParallel layers inside, found at the first forward
 
         def hook(mod, args, kwargs):
-            if not readers:
-                readers.append(_colwise_readers(mod))
-            # NOTE: the backward overlap (grad_overlap.py) only where one input is made whole here:
-            # each reader's weight alias belongs to that input.
-            overlap = readers[0] if self._wholes(args, kwargs) == 1 else []
+            # NOTE: the backward overlap (grad_overlap.py; eager, opt-in) only where one input is made
+            # whole here: each reader's weight alias belongs to that input. Never looked at while
+            # traced: filling `readers` inside a compiled region would recompile it on the next call.
+            overlap = []
+            if not torch.compiler.is_compiling() and grad_overlap.enabled():
+                if not readers:
+                    readers.append(_colwise_readers(mod))
+                overlap = readers[0] if self._wholes(args, kwargs) == 1 else []
             args = tuple(_relayout(a, *self.arg_layouts[i], group, overlap) if i < len(self.arg_layouts) else a
                          for i, a in enumerate(args))
             kwargs = {k: _relayout(v, *self.kwarg_layouts[k], group, overlap) if k in self.kwarg_layouts else v
