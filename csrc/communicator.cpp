@@ -9,7 +9,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <future>
 #include <iostream>
 #include <thread>
@@ -281,42 +280,42 @@ namespace {
 // How long an abort waits for ncclCommAbort before it returns anyway.
 constexpr double kTeardownWaitS = 10.0;
 
-// Runs `call` (ncclCommAbort of a communicator nobody else uses any more) on a thread of its own
-// and waits at most kTeardownWaitS for it. NCCL's abort does not return while a CUDA graph that
-// captured the communicator's collectives is alive (commDestroySync polls until no graph
-// references it: NVIDIA/nccl src/init.cc), and an abort must not hang its caller (a watchdog's
-// time-out, an error path, a destructor). Past the wait the call finishes in the background, once
-// the graphs are destroyed, and a line on stderr says so. Returns its result, or ncclInProgress.
+// ncclCommAbort(comm) (a communicator nobody else uses any more) on a thread of its own, waited
+// for at most kTeardownWaitS. NCCL's abort does not return while a CUDA graph that captured the
+// communicator's collectives is alive (commDestroySync polls until no graph references it:
+// NVIDIA/nccl src/init.cc), and an abort must not hang its caller (a watchdog's time-out, an error
+// path, a destructor). Past the wait it finishes in the background, once the graphs are
+// destroyed, and a line on stderr says so. `running` is true until it returns (on that thread).
 // (A destroy's finalize waits for the graphs too, bounded by the group's timeout; the
 // ncclCommDestroy after it does not wait for them.)
-// `running` is true from the start of the call until it returns (on that thread).
 // NOTE: reached from leave_call() inside noexcept destructors too: nothing here may throw. Where no
-// thread can be started, the call runs here, unbounded, as before.
-ncclResult_t teardown_bounded(const char* what, int device, const std::function<ncclResult_t()>& call,
-                              const std::shared_ptr<std::atomic<bool>>& running) noexcept {
-  std::future<ncclResult_t> done;
+// thread can be started, the abort runs here, unbounded, as before.
+void abort_bounded(ncclComm_t comm, int device, const char* what,
+                   const std::shared_ptr<std::atomic<bool>>& running) noexcept {
+  std::future<void> done;
   try {
-    auto result = std::make_shared<std::promise<ncclResult_t>>();
-    done = result->get_future();
+    auto finished = std::make_shared<std::promise<void>>();
+    done = finished->get_future();
     running->store(true);
-    std::thread([device, call, result, running] {
+    std::thread([comm, device, finished, running] {
       (void)cudaSetDevice(device);
-      const ncclResult_t r = call();
+      // ncclResult_t ncclCommAbort(ncclComm_t comm);
+      (void)ncclCommAbort(comm);
       running->store(false);
-      result->set_value(r);
+      finished->set_value();
     }).detach();
   } catch (...) {
     running->store(false);
-    return call();
+    (void)ncclCommAbort(comm);
+    return;
   }
-  if (done.wait_for(std::chrono::duration<double>(kTeardownWaitS)) == std::future_status::ready) return done.get();
+  if (done.wait_for(std::chrono::duration<double>(kTeardownWaitS)) == std::future_status::ready) return;
   try {
     std::cerr << "pynccl: " << what << " has not returned after " << kTeardownWaitS
               << " s: NCCL waits for every CUDA graph that captured this communicator's collectives to be "
                  "destroyed (drop them: del graph; gc.collect()); it finishes in the background then\n";
   } catch (...) {
   }
-  return ncclInProgress;
 }
 
 }  // namespace
@@ -324,13 +323,12 @@ ncclResult_t teardown_bounded(const char* what, int device, const std::function<
 void Communicator::abort_now() {
   if (comm_ == nullptr) return;
   ncclComm_t comm = std::exchange(comm_, nullptr);
-  // ncclResult_t ncclCommAbort(ncclComm_t comm);
   std::string what = "ncclCommAbort";
   try {
     what += " of " + describe();
   } catch (...) {
   }
-  (void)teardown_bounded(what.c_str(), device_, [comm] { return ncclCommAbort(comm); }, nccl_abort_running_);
+  abort_bounded(comm, device_, what.c_str(), nccl_abort_running_);
 }
 
 void Communicator::stop_watchdog() {

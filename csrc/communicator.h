@@ -311,7 +311,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::atomic<int> state_{static_cast<int>(CommState::kStarting)};
   std::atomic<bool> abort_pending_{false};  // abort asked for; ncclCommAbort once in_flight_ drains
   std::atomic<bool> abort_claimed_{false};  // the one thread that calls ncclCommAbort took it
-  // True while an ncclCommAbort that outlived abort_now's wait still runs (teardown_bounded): shared
+  // True while an ncclCommAbort that outlived abort_now's wait still runs (abort_bounded): shared
   // with the symmetric buffers' deleters, which then leak their memory rather than free it under NCCL.
   std::shared_ptr<std::atomic<bool>> nccl_abort_running_ = std::make_shared<std::atomic<bool>>(false);
   ActiveCall active_;

@@ -293,7 +293,7 @@ def abort_process_group(group=None) -> None:
     """Abort (local) `group` or every group; the groups are unusable after. No peer is waited for;
     NCCL's own abort is waited for at most 10 s per communicator (it does not return while a CUDA
     graph that captured the communicator's collectives is alive; it then finishes in the
-    background, csrc/communicator.cpp's teardown_bounded)."""
+    background, csrc/communicator.cpp's abort_bounded)."""
     targets = list(_state.groups) if group is None else [resolve_group(group)]
     for g in targets:
         be = g.backend

@@ -161,7 +161,8 @@ def start(x: torch.Tensor, group, readers: Sequence[torch.nn.Module], seq_dim: O
     """`x` made whole for `readers` (the ColwiseParallel layers reading it; seq_dim: all-gathered
     along that dim, else replicated) with its gradient's collective overlapped in backward, or
     None where the overlap does not apply (the caller then takes comm.py's plain path)."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not x.requires_grad or not enabled():
+    # NOTE: PrepareModuleInput's hook passes readers only in eager mode with the overlap on.
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not x.requires_grad:
         return None
     weights = [(m, m.weight) for m in readers if m.weight.requires_grad]
     if not weights:
