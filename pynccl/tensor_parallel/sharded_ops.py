@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import distributed as dist
+from . import batch_overlap
 from .comm import (allreduce_grads_in_backward, gather_from_tensor_parallel_region, linear_with_tensor_parallel_input,
                    reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
                    scatter_to_tensor_parallel_region)
@@ -46,6 +47,8 @@ def sum_partial_outputs(y: torch.Tensor, bias: Optional[torch.Tensor], group, se
         y = reduce_scatter_to_sequence_parallel_region(y, group, seq_dim)  # (.., s, ..) -> (.., s/tp, ..)
         if bias is not None:  # the bias now meets only this rank's tokens: its grad is a partial sum
             bias, = allreduce_grads_in_backward((bias,), group)
+    elif bias is None and batch_overlap.deferring() and not torch.compiler.is_compiling():
+        return batch_overlap.reduce_deferred(y, group)  # the sum completes beside the block's next chunk
     else:
         y = reduce_from_tensor_parallel_region(y, group, inplace=True)
     return y if bias is None else y + bias

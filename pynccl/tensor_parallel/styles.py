@@ -14,6 +14,7 @@ gradient summed tp times.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -21,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import distributed as dist
-from . import grad_overlap
+from . import batch_overlap, grad_overlap
 from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                    gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region,
                    scatter_to_tensor_parallel_region)
@@ -231,8 +232,18 @@ class PrepareModuleInput(ParallelStyle):
         setattr(module, STYLE_ATTR + "_input", self)
 
         readers = []                 # the ColwiseParallel layers inside, found at the first forward
+        chunked = []                 # set by the hook for the forward that follows: (k, where the input is)
 
         def hook(mod, args, kwargs):
+            # NOTE: `chunked` is left alone while traced (a list mutated in a compiled region is a side
+            # effect dynamo replays and guards on).
+            if not torch.compiler.is_compiling():
+                where = self._batch_chunked(args, kwargs, group)
+                if where is not None:    # the forward below re-lays the input per chunk
+                    chunked[:] = [where]
+                    return args, kwargs
+                if chunked:
+                    chunked.clear()
             # NOTE: the backward overlap (grad_overlap.py; eager, opt-in) only where one input is made
             # whole here: each reader's weight alias belongs to that input. Never looked at while
             # traced: filling `readers` inside a compiled region would recompile it on the next call.
@@ -248,6 +259,50 @@ class PrepareModuleInput(ParallelStyle):
             return args, kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            if not chunked:
+                return inner(*args, **kwargs)
+            k, key = chunked.pop()
+            x = args[key] if isinstance(key, int) else kwargs[key]
+
+            def place(a, kw, piece):
+                if isinstance(key, int):
+                    return a[:key] + (piece,) + a[key + 1:], kw
+                return a, {**kw, key: piece}
+
+            return batch_overlap.run_chunked(inner, x, place, args, kwargs, group, k, name,
+                                             mark=lambda piece: setattr(piece, GRAD_REDUCED_BY, group))
+
+        module.forward = forward
+
+    def _batch_chunked(self, args, kwargs, group):
+        """(k, the whole input's position or keyword) where this call runs per batch chunk
+        (batch_overlap.py: PYNCCL_TP_BATCH_CHUNKS=k, eager, every re-layout Replicate() ->
+        Replicate(), one tensor made whole, its dim 0 divisible by k, no argument
+        batch_overlap cannot split: a KV cache); else None."""
+        if dist.get_world_size(group) == 1:
+            return None
+        k = batch_overlap.chunks_requested()
+        if k == 1 or not batch_overlap.splittable(args, kwargs):
+            return None
+        places = [(i, a, self.arg_layouts[i]) for i, a in enumerate(args) if i < len(self.arg_layouts)]
+        places += [(key, v, self.kwarg_layouts[key]) for key, v in kwargs.items() if key in self.kwarg_layouts]
+        wholes = []
+        for key, value, (src, dst) in places:
+            if src is None or dst is None or not isinstance(value, torch.Tensor):
+                continue
+            if not (src.is_replicate() and dst.is_replicate()):
+                return None          # a gather or a split of the sequence: not chunked (yet)
+            wholes.append((key, value))
+        if len(wholes) != 1:
+            return None
+        key, x = wholes[0]
+        if x.dim() < 2 or x.shape[0] < k or x.shape[0] % k:
+            return None
+        return k, key
 
     def _wholes(self, args, kwargs) -> int:
         """How many tensors this call makes whole (desired Replicate())."""
