@@ -188,14 +188,17 @@ def _off_where_it_cannot_act(rank, ws):
     return True
 
 
+@pytest.mark.numerics
 def test_chunked_blocks_equal_the_unsharded_model():
     assert run_multiprocess(_equal_to_unsharded, 2, backend="gloo", timeout=240) == [True, True]
 
 
+@pytest.mark.numerics
 def test_chunked_blocks_with_a_padding_mask():
     assert run_multiprocess(_padding_mask, 2, backend="gloo", timeout=120) == [True, True]
 
 
+@pytest.mark.numerics
 def test_chunked_blocks_under_reentrant_checkpointing():
     assert run_multiprocess(_reentrant_checkpoint, 2, backend="gloo", timeout=120) == [True, True]
 
@@ -208,6 +211,7 @@ def test_a_block_changing_the_deferred_output_raises():
     assert run_multiprocess(_raises_on_a_changed_output, 2, backend="gloo", timeout=120) == [True, True]
 
 
+@pytest.mark.numerics
 def test_off_where_it_cannot_act():
     assert run_multiprocess(_off_where_it_cannot_act, 2, backend="gloo", timeout=240) == [True, True]
 
