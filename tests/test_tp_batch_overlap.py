@@ -129,6 +129,46 @@ def _padding_mask(rank, ws):
     return True
 
 
+def _copy_engine_path_on_gloo(rank, ws):
+    """The copy-engine variant's bookkeeping (gather into per-chunk buffers, sum after the wait, the
+    join summing the gathered input gradients) on gloo, with plain CPU buffers standing in for the
+    symmetric windows: equal to the unsharded model; a later, smaller batch reuses the buffers'
+    leading elements, a larger one takes the all-reduce instead of another window."""
+    from test_tp_plan import FP32_TOL, _close
+    allocations = []
+
+    def fake_alloc(group, sizes):
+        allocations.append(sizes)
+        return [torch.full((numel,), float("nan"), dtype=dtype) for numel, dtype in sizes]
+    originals = batch_overlap._copy_engine, batch_overlap.alloc_symmetric
+    batch_overlap._copy_engine = lambda group: True
+    batch_overlap.alloc_symmetric = fake_alloc
+    try:
+        config = llama_config(use_cache=False)
+        par = tp.parallelize_module(build(config), None, tp.plans.llama())
+        ref = build(config)
+        ref_params = dict(ref.named_parameters())
+        for batch in (4, 2, 6):                   # chunks of 2, then 1 (fits), then 3 (does not fit)
+            x = torch.randint(0, 128, (batch, 8), generator=torch.Generator().manual_seed(batch))
+            for m in (ref, par):
+                m.zero_grad()
+            ref_out = ref(input_ids=x, labels=x)
+            ref_out.loss.backward()
+            with _Chunks(2) as seen:
+                out = par(input_ids=x, labels=x)
+                out.loss.backward()
+            assert seen.started == 8 and seen.deferred == 8, vars(seen)
+            _close(out.loss, ref_out.loss.detach(), f"batch {batch}: loss", FP32_TOL)
+            for name, p in par.named_parameters():
+                _close(p.grad, tp.shard_like(p, ref_params[name].grad, None), f"batch {batch}: grad of {name}",
+                       FP32_TOL)
+            # one window per (forward / backward, chunk): 4, made by the first batch only
+            assert len(allocations) == 4, (batch, allocations)
+    finally:
+        batch_overlap._copy_engine, batch_overlap.alloc_symmetric = originals
+    return True
+
+
 def _backward_order(rank, ws):
     """In each attention block's backward: chunk 1's q_proj GEMMs, chunk 1's all-reduce start,
     then chunk 0's q_proj GEMMs (beside that all-reduce), chunk 0's start, the join."""
@@ -191,6 +231,11 @@ def _off_where_it_cannot_act(rank, ws):
 @pytest.mark.numerics
 def test_chunked_blocks_equal_the_unsharded_model():
     assert run_multiprocess(_equal_to_unsharded, 2, backend="gloo", timeout=240) == [True, True]
+
+
+@pytest.mark.numerics
+def test_copy_engine_bookkeeping_equals_the_unsharded_model():
+    assert run_multiprocess(_copy_engine_path_on_gloo, 2, backend="gloo", timeout=120) == [True, True]
 
 
 @pytest.mark.numerics

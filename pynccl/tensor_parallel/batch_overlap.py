@@ -92,17 +92,25 @@ def _copy_engine(group) -> bool:
 def _slots(group, role: str, i: int, shape, dtype):
     """(send, recv) symmetric buffers for chunk i's gather: send shaped like the chunk, recv
     (tp, *shape); reused by every block (each block's sum reads recv before the next block's
-    gather is queued behind it). None where no window could be had. Collective the first time
-    per key: every rank reaches the same keys in the same order."""
+    gather is queued behind it). One window per (role, chunk, dtype), sized by the first shape
+    asked: a later shape reuses its leading elements where it fits, else gets None (that sum
+    takes the all-reduce), so windows never pile up as shapes vary. None also where no window
+    could be had. Collective the first time per key: every rank reaches the same keys in the
+    same order with the same shapes."""
     cache = group.__dict__.setdefault(_SLOTS_ATTR, {})
-    key = (role, i, tuple(shape), dtype)
+    n, numel = dist.get_world_size(group), 1
+    for d in shape:
+        numel *= d
+    key = (role, i, dtype)
     if key not in cache:
-        n, numel = dist.get_world_size(group), 1
-        for d in shape:
-            numel *= d
         bufs = alloc_symmetric(group, [(numel, dtype), (n * numel, dtype)])
-        cache[key] = None if bufs is None else (bufs[0].view(shape), bufs[1].view((n,) + tuple(shape)))
-    return cache[key]
+        cache[key] = None if bufs is None else (numel, bufs[0], bufs[1])
+    held = cache[key]
+    if held is None or numel > held[0]:
+        return None
+    capacity, send, recv = held
+    # NOTE: recv holds rank r's chunk at [r*numel, (r+1)*numel), as all_gather_into_tensor writes it.
+    return send[:numel].view(shape), recv[:n * numel].view((n,) + tuple(shape))
 
 
 class _SumGathered(torch.autograd.Function):
