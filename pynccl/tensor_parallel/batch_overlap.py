@@ -46,7 +46,7 @@ and None (a KV cache: each chunk would extend it as if it were the next tokens).
 from __future__ import annotations
 
 import os
-from typing import Callable, List, Optional
+from typing import Callable, List, Union
 
 import torch
 
@@ -54,6 +54,7 @@ from ..comm import collectives
 from ..comm import distributed as dist
 from ..comm.reduce_op import ReduceOp
 from ..comm.symmetric import alloc_symmetric, symmetric_support
+from .plan import GRAD_REDUCED_BY
 
 ENV = "PYNCCL_TP_BATCH_CHUNKS"
 CE_ENV = "PYNCCL_TP_BATCH_COPY_ENGINE"
@@ -108,9 +109,24 @@ def _slots(group, role: str, i: int, shape, dtype):
     held = cache[key]
     if held is None or numel > held[0]:
         return None
-    capacity, send, recv = held
+    _, send, recv = held
     # NOTE: recv holds rank r's chunk at [r*numel, (r+1)*numel), as all_gather_into_tensor writes it.
     return send[:numel].view(shape), recv[:n * numel].view((n,) + tuple(shape))
+
+
+def _start_sum(t: torch.Tensor, group, role: str, index: int, own: bool):
+    """Start the sum of t over `group`: (the tensor standing for it, Work, recv). Copy-engine
+    variant (_copy_engine): t's partial is gathered into the chunk's symmetric buffers and recv
+    holds them, to sum after the wait; t stands as it is. Else an all-reduce in place: on t where
+    it is `own` (fresh, nobody else's), else on a copy, which stands for the sum; recv None."""
+    slots = _slots(group, role, index, t.shape, t.dtype) if _copy_engine(group) else None
+    if slots is not None:
+        send, recv = slots
+        send.copy_(t)
+        return t, collectives.all_gather_into_tensor(recv, send, group=group, async_op=True), recv
+    if not own:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t, collectives.all_reduce(t, ReduceOp.SUM, group=group, async_op=True), None
 
 
 class _SumGathered(torch.autograd.Function):
@@ -148,16 +164,8 @@ class _DeferredAllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, group, chunk):
-        slots = _slots(group, f"forward {len(chunk.deferred)}", chunk.index, y.shape, y.dtype) \
-            if _copy_engine(group) else None
-        if slots is None:
-            work = collectives.all_reduce(y, ReduceOp.SUM, group=group, async_op=True)
-            chunk.deferred.append([None, work, None])
-        else:
-            send, recv = slots
-            send.copy_(y)
-            work = collectives.all_gather_into_tensor(recv, send, group=group, async_op=True)
-            chunk.deferred.append([None, work, recv])
+        _, work, recv = _start_sum(y, group, f"forward {len(chunk.deferred)}", chunk.index, own=True)
+        chunk.deferred.append([None, work, recv])
         return y
 
     @staticmethod
@@ -186,17 +194,9 @@ class _StartInputGradSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        group = ctx.group
-        slots = _slots(group, "backward", ctx.index, grad.shape, grad.dtype) if _copy_engine(group) else None
-        if slots is not None:    # gathered beside the next chunk's GEMMs; _SplitBatch sums it
-            send, recv = slots
-            send.copy_(grad)
-            ctx.pending.append((ctx.index, collectives.all_gather_into_tensor(recv, send, group=group, async_op=True),
-                                recv))
-            return grad, None, None, None
-        # NOTE: a copy: autograd may hand the same tensor to several places (see comm._CopyToRegion).
-        out = grad.clone(memory_format=torch.contiguous_format)
-        ctx.pending.append((ctx.index, collectives.all_reduce(out, ReduceOp.SUM, group=group, async_op=True), None))
+        # NOTE: not own: autograd may hand the same tensor to several places (see comm._CopyToRegion).
+        out, work, recv = _start_sum(grad, ctx.group, "backward", ctx.index, own=False)
+        ctx.pending.append((ctx.index, work, recv))   # recv: _SplitBatch sums the gathered partials
         return out, None, None, None
 
 
@@ -273,11 +273,11 @@ def _concat(outs: list):
     return first   # None, or a non-tensor the block returns (the same for every chunk)
 
 
-def run_chunked(inner: Callable, x: torch.Tensor, place: Callable, args: tuple, kwargs: dict, group, k: int,
-                name: str, mark: Optional[Callable] = None):
-    """inner(*args, **kwargs) as k batch chunks, x (the block input made whole) read through
-    _StartInputGradSum per chunk. place(args, kwargs, x_chunk) returns the chunk's (args,
-    kwargs) with x_chunk in x's place; mark(x_chunk) tags it for the readers (GRAD_REDUCED_BY)."""
+def run_chunked(inner: Callable, args: tuple, kwargs: dict, key: Union[int, str], group, k: int, name: str):
+    """inner(*args, **kwargs) as k batch chunks. args[key] (an int) or kwargs[key] is the block's
+    input made whole: each chunk of it is read through _StartInputGradSum and tagged
+    GRAD_REDUCED_BY for the ColwiseParallel readers (its gradient is summed here, once)."""
+    x = args[key] if isinstance(key, int) else kwargs[key]
     b = x.shape[0]
     pending: list = []
     pieces = _SplitBatch.apply(x, k, pending) if x.requires_grad else x.chunk(k, dim=0)
@@ -285,11 +285,9 @@ def run_chunked(inner: Callable, x: torch.Tensor, place: Callable, args: tuple, 
     for i, piece in enumerate(pieces):
         if x.requires_grad and torch.is_grad_enabled():
             piece = _StartInputGradSum.apply(piece, group, pending, i)
-        if mark is not None:
-            mark(piece)
-        a = tuple(_split_other(v, b, k, i) for v in args)
-        kw = {key: _split_other(v, b, k, i) for key, v in kwargs.items()}
-        a, kw = place(a, kw, piece)
+        setattr(piece, GRAD_REDUCED_BY, group)
+        a = tuple(piece if j == key else _split_other(v, b, k, i) for j, v in enumerate(args))
+        kw = {name_: piece if name_ == key else _split_other(v, b, k, i) for name_, v in kwargs.items()}
         chunk = _Chunk(i)
         _active.append(chunk)
         try:

@@ -266,15 +266,7 @@ class PrepareModuleInput(ParallelStyle):
             if not chunked:
                 return inner(*args, **kwargs)
             k, key = chunked.pop()
-            x = args[key] if isinstance(key, int) else kwargs[key]
-
-            def place(a, kw, piece):
-                if isinstance(key, int):
-                    return a[:key] + (piece,) + a[key + 1:], kw
-                return a, {**kw, key: piece}
-
-            return batch_overlap.run_chunked(inner, x, place, args, kwargs, group, k, name,
-                                             mark=lambda piece: setattr(piece, GRAD_REDUCED_BY, group))
+            return batch_overlap.run_chunked(inner, args, kwargs, key, group, k, name)
 
         module.forward = forward
 
