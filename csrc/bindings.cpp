@@ -11,6 +11,7 @@
 #include "communicator.h"
 #include "dtypes.h"
 #include "nccl_api.h"
+#include "tp_overlap.h"
 #include "work.h"
 
 namespace py = pybind11;
@@ -345,6 +346,13 @@ PYBIND11_MODULE(_C, m) {
       .def("recv", &Communicator::recv, py::arg("tensor"), py::arg("peer"), py::arg("async_op") = false)
       .def("batch_isend_irecv", &Communicator::batch_isend_irecv, py::arg("ops"),
            "ops: list of (is_send, tensor, peer); one NCCL group on the communicator's stream. Returns a Work.")
+      // --- sequence-parallel TP's collective matmuls (tp_overlap.cpp; pynccl/tensor_parallel/async_tp.py)
+      .def("tp_gather_linears", &tp_gather_linears, py::arg("x"), py::arg("weights"), py::arg("seq_dim"))
+      .def("tp_gather_linears_backward", &tp_gather_linears_backward, py::arg("x_full"), py::arg("weights"),
+           py::arg("grad_ys"), py::arg("grad_x_full"), py::arg("seq_dim"))
+      .def("tp_linear_reduce_scatter", &tp_linear_reduce_scatter, py::arg("h"), py::arg("weight"), py::arg("seq_dim"))
+      .def("tp_linear_reduce_scatter_backward", &tp_linear_reduce_scatter_backward, py::arg("grad_out"), py::arg("h"),
+           py::arg("weight"), py::arg("seq_dim"))
       .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
       // --- life cycle -----------------------------------------------------------------------
       .def("split", &Communicator::split, py::arg("color"), py::arg("key"), py::arg("timeout_s") = py::none(),

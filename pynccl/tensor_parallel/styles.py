@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import distributed as dist
-from . import batch_overlap, grad_overlap
+from . import async_tp, batch_overlap, grad_overlap
 from .comm import (allreduce_grads_in_backward, copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                    gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region,
                    scatter_to_tensor_parallel_region)
@@ -73,11 +73,16 @@ class ColwiseParallel(ParallelStyle):
         conv1d = is_conv1d(module)
         install_shards(module, column_shards(module, group, self.num_fused, sharded))
         style, gather_output = self, self.output_layout.is_replicate()
+        overlap_gemm = async_tp.enabled()
 
         def forward(mod, x):
             if isinstance(mod, nn.Embedding):
                 y = F.embedding(x, mod.weight, mod.padding_idx, mod.max_norm, mod.norm_type, mod.scale_grad_by_freq,
                                 mod.sparse)  # (b, s) -> (b, s, h/tp)
+                return gather_from_tensor_parallel_region(y, group) if gather_output else y
+            ready = async_tp.precomputed(x, mod)
+            if ready is not None:            # the block's input gather computed it (async_tp.py)
+                y = ready if mod.bias is None else ready + mod.bias
                 return gather_from_tensor_parallel_region(y, group) if gather_output else y
             summed = grad_reduced_upstream(x, group)
             if summed and not style.input_layout.is_replicate():
@@ -91,7 +96,7 @@ class ColwiseParallel(ParallelStyle):
             return column_parallel_linear(x, mod.weight.t() if conv1d else mod.weight, mod.bias, group,
                                           sequence_parallel=style.input_layout.is_shard(), gather_output=gather_output,
                                           seq_dim=style.input_layout.dim if style.input_layout.is_shard() else 0,
-                                          input_grad_summed=summed)
+                                          input_grad_summed=summed, overlap_gemm=overlap_gemm)
 
         set_forward(module, self, forward)
 
@@ -131,6 +136,7 @@ class RowwiseParallel(ParallelStyle):
         # The sum over ranks: an all-reduce (Replicate()), or a reduce-scatter to Shard(seq_dim).
         sequence_parallel = self.output_layout.is_shard()
         seq_dim = self.output_layout.dim if sequence_parallel else 0
+        overlap_gemm = async_tp.enabled()
         if isinstance(module, nn.Embedding):
             start = dist.get_rank(group) * (module.num_embeddings // dist.get_world_size(group))
 
@@ -142,7 +148,7 @@ class RowwiseParallel(ParallelStyle):
 
             def forward(mod, x):  # (.., in/tp), or (.., in) sliced here -> (.., out), or (b, s/tp, out)
                 return row_parallel_linear(x, mod.weight.t() if conv1d else mod.weight, getattr(mod, "bias", None),
-                                           group, input_is_parallel, sequence_parallel, seq_dim)
+                                           group, input_is_parallel, sequence_parallel, seq_dim, overlap_gemm)
 
         set_forward(module, self, forward)
 
@@ -232,6 +238,7 @@ class PrepareModuleInput(ParallelStyle):
         setattr(module, STYLE_ATTR + "_input", self)
 
         readers = []                 # the ColwiseParallel layers inside, found at the first forward
+        overlap_gemm = async_tp.enabled()
         chunked = []                 # set by the hook for the forward that follows: (k, where the input is)
 
         def hook(mod, args, kwargs):
@@ -247,15 +254,18 @@ class PrepareModuleInput(ParallelStyle):
             # NOTE: the backward overlap (grad_overlap.py; eager, opt-in) only where one input is made
             # whole here: each reader's weight alias belongs to that input. Never looked at while
             # traced: filling `readers` inside a compiled region would recompile it on the next call.
-            overlap = []
-            if not torch.compiler.is_compiling() and grad_overlap.enabled():
+            overlap, gemm_readers = [], ()
+            if overlap_gemm and self._wholes(args, kwargs) == 1:
+                # NOTE: found on every call (traced too: a pure walk of the module tree, no state kept).
+                gemm_readers = tuple(m for m in _colwise_readers(mod) if getattr(m, STYLE_ATTR).input_layout.is_replicate())
+            elif not torch.compiler.is_compiling() and grad_overlap.enabled():
                 if not readers:
                     readers.append(_colwise_readers(mod))
                 overlap = readers[0] if self._wholes(args, kwargs) == 1 else []
-            args = tuple(_relayout(a, *self.arg_layouts[i], group, overlap) if i < len(self.arg_layouts) else a
-                         for i, a in enumerate(args))
-            kwargs = {k: _relayout(v, *self.kwarg_layouts[k], group, overlap) if k in self.kwarg_layouts else v
-                      for k, v in kwargs.items()}
+            args = tuple(_relayout(a, *self.arg_layouts[i], group, overlap, gemm_readers)
+                         if i < len(self.arg_layouts) else a for i, a in enumerate(args))
+            kwargs = {k: _relayout(v, *self.kwarg_layouts[k], group, overlap, gemm_readers)
+                      if k in self.kwarg_layouts else v for k, v in kwargs.items()}
             return args, kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -310,7 +320,9 @@ def _colwise_readers(module: nn.Module) -> list:
             and (isinstance(m, nn.Linear) or is_conv1d(m))]
 
 
-def _relayout(x, src, dst, group, readers=()):
+def _relayout(x, src, dst, group, readers=(), gemm_readers=()):
+    """readers: grad_overlap's (eager, opt-in); gemm_readers: async_tp's, whose outputs the
+    all-gather of a sequence shard computes beside itself."""
     if src is None or dst is None or not isinstance(x, torch.Tensor) or dist.get_world_size(group) == 1:
         return x
     if dst.is_replicate():
@@ -319,7 +331,11 @@ def _relayout(x, src, dst, group, readers=()):
                              f"not the last dim, of an input of shape {tuple(x.shape)}")
         seq_dim = None if src.is_replicate() else src.dim % x.dim()
         whole = grad_overlap.start(x, group, readers, seq_dim) if readers else None
-        if whole is not None:
+        if seq_dim is not None and gemm_readers:
+            weights = [m.weight.t() if is_conv1d(m) else m.weight for m in gemm_readers]
+            x, ys = async_tp.gather_linears(x, weights, group, seq_dim)  # (b, s/tp, h) -> (b, s, h), [(b, s, out/tp)]
+            async_tp.attach_precomputed(x, gemm_readers, ys)
+        elif whole is not None:
             x = whole
         elif src.is_replicate():
             x = copy_to_tensor_parallel_region(x, group)

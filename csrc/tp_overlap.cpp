@@ -1,0 +1,182 @@
+// Sequence-parallel TP's collective matmuls on NCCL (pynccl/tensor_parallel/async_tp.py's ops):
+// the same decomposition as the Python reference there, one C++ call per op. The Python one paid
+// ~20 µs of host per launch on 2×H200's hosts, twice the launches of the plain path, and a
+// compiled Llama 1.1B step became host-bound (RESULTS, tensor parallelism, session 19).
+//
+// A rank's chunk of dim seq_dim is [r*s, (r+1)*s). GEMMs run on the caller's stream, the
+// collectives on the communicator's (Work::wait joins them); chunk views of [b, s, h] tensors are
+// strided and go through bmm with the batch stride as it is (no copy).
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "communicator.h"
+#include "tp_overlap.h"
+#include "work.h"
+
+namespace pynccl {
+namespace {
+
+at::Tensor seq_chunk(const at::Tensor& t, int64_t seq_dim, int64_t n, int64_t j) {
+  const int64_t s = t.size(seq_dim) / n;
+  return t.narrow(seq_dim, j * s, s);
+}
+
+// out (+)= a @ b; a (.., k), b (k, m), out (.., m).
+void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  if (a.is_contiguous() && out.is_contiguous()) {
+    at::Tensor o2 = out.view({-1, out.size(-1)});
+    const at::Tensor a2 = a.view({-1, a.size(-1)});
+    if (accumulate) {
+      o2.addmm_(a2, b);
+    } else {
+      at::mm_out(o2, a2, b);
+    }
+  } else if (a.dim() == 3 && out.dim() == 3) {
+    const at::Tensor bb = b.expand({a.size(0), b.size(0), b.size(1)});  // batch stride 0
+    if (accumulate) {
+      out.baddbmm_(a, bb);
+    } else {
+      at::bmm_out(out, a, bb);
+    }
+  } else if (accumulate) {
+    out.add_(at::matmul(a, b));
+  } else {
+    out.copy_(at::matmul(a, b));
+  }
+}
+
+std::vector<int64_t> with_seq_times(c10::IntArrayRef shape, int64_t seq_dim, int64_t n, int64_t last = -1) {
+  std::vector<int64_t> out(shape.begin(), shape.end());
+  out[seq_dim] *= n;
+  if (last >= 0) out.back() = last;
+  return out;
+}
+
+// The chunks of dim seq_dim stacked rank after rank are the tensor itself: every dim before it has size 1.
+bool rank_major_is_natural(c10::IntArrayRef shape, int64_t seq_dim) {
+  for (int64_t d = 0; d < seq_dim; ++d) {
+    if (shape[d] != 1) return false;
+  }
+  return true;
+}
+
+// (n * rows, ...) rank-major buffer for an all-gather of `local` (rows = local's dim 0).
+at::Tensor gather_buffer(const at::Tensor& local, int64_t n) {
+  std::vector<int64_t> shape(local.sizes().begin(), local.sizes().end());
+  shape[0] *= n;
+  return at::empty(shape, local.options());
+}
+
+// The whole tensor in its natural layout from the rank-major gathered chunks.
+at::Tensor natural(const at::Tensor& gathered, const at::Tensor& local, int64_t seq_dim, int64_t n) {
+  const auto shape = with_seq_times(local.sizes(), seq_dim, n);
+  if (rank_major_is_natural(local.sizes(), seq_dim)) return gathered.view(shape);
+  at::Tensor whole = at::empty(shape, local.options());
+  const auto pieces = gathered.chunk(n, 0);
+  for (int64_t j = 0; j < n; ++j) seq_chunk(whole, seq_dim, n, j).copy_(pieces[j]);
+  return whole;
+}
+
+using Exchange = std::tuple<std::shared_ptr<Work>, at::Tensor, at::Tensor>;  // (work, sent, received)
+
+// Sends `part` to rank `to` and receives the same shape from `frm`, in one NCCL group.
+Exchange exchange(Communicator& comm, const at::Tensor& part, int64_t to, int64_t frm) {
+  at::Tensor recv = at::empty_like(part);
+  auto work = comm.batch_isend_irecv({std::make_tuple(true, part, to), std::make_tuple(false, recv, frm)});
+  return {work, part, recv};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> tp_gather_linears(Communicator& comm, const at::Tensor& x,
+                                          const std::vector<at::Tensor>& weights, int64_t seq_dim) {
+  const int64_t n = comm.world_size(), r = comm.rank();
+  const at::Tensor xs = x.contiguous();  // (.., s, .., h): this rank's chunk
+  at::Tensor gathered = gather_buffer(xs, n);
+  auto work = comm.all_gather_into_tensor(gathered, xs, /*async_op=*/true);
+  std::vector<at::Tensor> out{at::Tensor()};
+  for (const auto& w : weights) {
+    out.push_back(at::empty(with_seq_times(xs.sizes(), seq_dim, n, w.size(0)), xs.options()));
+    mm_into(seq_chunk(out.back(), seq_dim, n, r), xs, w.t(), false);  // own chunk, beside the all-gather
+  }
+  work->wait(std::nullopt);
+  const auto pieces = gathered.chunk(n, 0);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j == r) continue;
+    for (size_t i = 0; i < weights.size(); ++i) mm_into(seq_chunk(out[i + 1], seq_dim, n, j), pieces[j], weights[i].t(), false);
+  }
+  out[0] = natural(gathered, xs, seq_dim, n);
+  return out;
+}
+
+std::vector<at::Tensor> tp_gather_linears_backward(Communicator& comm, const at::Tensor& x_full,
+                                                   const std::vector<at::Tensor>& weights,
+                                                   const std::vector<at::Tensor>& grad_ys,
+                                                   const std::optional<at::Tensor>& grad_x_full, int64_t seq_dim) {
+  const int64_t n = comm.world_size(), r = comm.rank();
+  auto partial_grad_x = [&](int64_t j) {  // chunk j of sum_i grad_y_i @ w_i (+ grad_x_full)
+    at::Tensor out = at::empty(seq_chunk(x_full, seq_dim, n, j).sizes(), x_full.options());
+    if (grad_x_full.has_value()) out.copy_(seq_chunk(*grad_x_full, seq_dim, n, j));
+    for (size_t i = 0; i < weights.size(); ++i) {
+      mm_into(out, seq_chunk(grad_ys[i], seq_dim, n, j), weights[i], grad_x_full.has_value() || i > 0);
+    }
+    return out;
+  };
+  // NOTE: peers' chunks first (ring order), so the weight GEMMs and our own chunk run while they travel.
+  std::vector<Exchange> pending;
+  for (int64_t j = 1; j < n; ++j) pending.push_back(exchange(comm, partial_grad_x((r + j) % n), (r + j) % n, (r - j + n) % n));
+  std::vector<at::Tensor> out{at::Tensor()};
+  const at::Tensor x2 = x_full.reshape({-1, x_full.size(-1)});
+  for (const auto& gy : grad_ys) out.push_back(at::mm(gy.reshape({-1, gy.size(-1)}).t(), x2));  // (out/tp, h)
+  at::Tensor grad_x = partial_grad_x(r);
+  for (auto& [work, sent, recv] : pending) {
+    work->wait(std::nullopt);
+    grad_x.add_(recv);
+  }
+  out[0] = grad_x;
+  return out;
+}
+
+at::Tensor tp_linear_reduce_scatter(Communicator& comm, const at::Tensor& h, const at::Tensor& weight, int64_t seq_dim) {
+  const int64_t n = comm.world_size(), r = comm.rank();
+  auto partial = [&](int64_t j) {  // (.., s, .., in/tp) @ (in/tp, out): this rank's part of chunk j's sum
+    const at::Tensor chunk = seq_chunk(h, seq_dim, n, j);
+    std::vector<int64_t> shape(chunk.sizes().begin(), chunk.sizes().end());
+    shape.back() = weight.size(0);
+    at::Tensor out = at::empty(shape, h.options());
+    mm_into(out, chunk, weight.t(), false);
+    return out;
+  };
+  std::vector<Exchange> pending;  // NOTE: peers' chunks first (ring order), then ours while they travel
+  for (int64_t j = 1; j < n; ++j) pending.push_back(exchange(comm, partial((r + j) % n), (r + j) % n, (r - j + n) % n));
+  at::Tensor out = partial(r);
+  for (auto& [work, sent, recv] : pending) {
+    work->wait(std::nullopt);
+    out.add_(recv);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> tp_linear_reduce_scatter_backward(Communicator& comm, const at::Tensor& grad_out,
+                                                          const at::Tensor& h, const at::Tensor& weight,
+                                                          int64_t seq_dim) {
+  const int64_t n = comm.world_size(), r = comm.rank();
+  const at::Tensor go = grad_out.contiguous();  // (.., s, .., out): this rank's chunk
+  at::Tensor gathered = gather_buffer(go, n);
+  auto work = comm.all_gather_into_tensor(gathered, go, /*async_op=*/true);
+  at::Tensor grad_h = at::empty(h.sizes(), h.options());
+  mm_into(seq_chunk(grad_h, seq_dim, n, r), go, weight, false);  // own chunk beside the all-gather
+  work->wait(std::nullopt);
+  const auto pieces = gathered.chunk(n, 0);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j != r) mm_into(seq_chunk(grad_h, seq_dim, n, j), pieces[j], weight, false);  // (.., s, .., out) @ (out, in/tp)
+  }
+  const at::Tensor grad_full = natural(gathered, go, seq_dim, n);
+  at::Tensor grad_w = at::mm(grad_full.reshape({-1, grad_full.size(-1)}).t(), h.reshape({-1, h.size(-1)}));
+  return {grad_h, grad_w};
+}
+
+}  // namespace pynccl

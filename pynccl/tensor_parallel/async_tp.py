@@ -1,0 +1,349 @@
+"""Sequence-parallel TP with each collective overlapped with the GEMMs beside it (opt-in,
+PYNCCL_TP_ASYNC=1 when parallelize_module runs; eager and torch.compile alike). The collective
+matmul of Wang et al. (ASPLOS '23, "Overlap communication with dependent computation via
+decomposition"), the idea behind torch's micro-pipeline TP and Megatron's tp_comm_overlap:
+
+* gather then linear (a block's input, all-gathered along the sequence for its column-parallel
+  projections): the all-gather runs on the comm stream while this rank's own sequence chunk goes
+  through every projection's GEMM; the peers' chunks follow once they land.
+* linear then reduce-scatter (a row-parallel projection leaving the block): the partial product of
+  each peer's sequence chunk is computed first and sent to that peer at once; the chunk this rank
+  keeps is computed while those travel, then the received partials are added.
+
+Each is a torch op (opaque to dynamo and inductor, so compiled graphs hold them as one node each
+and the overlap happens inside; on NCCL the body is C++, csrc/tp_overlap.cpp), wrapped in an
+autograd.Function whose backward is the other decomposition:
+
+    pynccl::tp_gather_linears(Tensor x, Tensor[] weights, int seq_dim, int group_size, str group_name)
+        -> Tensor[]   [x_full, x_full @ w_1^T, ...]
+    pynccl::tp_gather_linears_backward(x_full, weights, grad_ys, grad_x_full?, ...) -> [grad_x, grad_w_1, ...]
+    pynccl::tp_linear_reduce_scatter(Tensor h, Tensor weight, int seq_dim, int group_size, str group_name)
+        -> Tensor     this rank's sequence chunk of sum_r h_r @ w_r^T
+    pynccl::tp_linear_reduce_scatter_backward(grad_out, h, weight, ...) -> [grad_h, grad_w]
+
+A rank's chunk of dim seq_dim is [r*s, (r+1)*s), s = the whole length / the group size, as
+comm.py's sequence ops. Bias-free: callers add a bias after (it is whole, summed once).
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..comm import collectives
+from ..comm.functional_collectives import _checked_group, define_op
+from ..comm.groups import resolve_group
+from ..comm.p2p import P2POp, batch_work, irecv, isend
+
+PRECOMPUTED_ATTR = "_pynccl_tp_precomputed"   # tensor attribute: ((reader module, its output), ...)
+
+
+def enabled() -> bool:
+    """PYNCCL_TP_ASYNC=1: the styles built by parallelize_module from now on overlap (read there, once)."""
+    value = os.environ.get("PYNCCL_TP_ASYNC", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"PYNCCL_TP_ASYNC must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+# ------------------------------------------------------------------------------- helpers
+def _native(g, name: str):
+    """The C++ op of that name on g's NCCL communicator (csrc/tp_overlap.cpp), or None (gloo: the
+    Python below, the same algorithm, is the reference the C++ one is tested against)."""
+    return getattr(getattr(g.backend, "comm", None), name, None)
+
+
+def _chunk(t: torch.Tensor, seq_dim: int, n: int, j: int) -> torch.Tensor:
+    """Rank j's chunk of dim seq_dim of t (a view)."""
+    s = t.shape[seq_dim] // n
+    return t.narrow(seq_dim, j * s, s)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False) -> None:
+    """out (+)= a @ b, a (.., k), b (k, m), out (.., m); a and out may be strided sequence chunks
+    of 3-D tensors (a batched GEMM with the batch stride as it is: no copy on CUDA)."""
+    if a.is_contiguous() and out.is_contiguous():
+        o2 = out.view(-1, out.shape[-1])
+        a2 = a.view(-1, a.shape[-1])
+        if accumulate:
+            o2.addmm_(a2, b)
+        else:
+            torch.mm(a2, b, out=o2)
+    elif a.dim() == 3 and out.dim() == 3:
+        bb = b.expand(a.shape[0], *b.shape)  # (bsz, k, m), batch stride 0
+        if accumulate:
+            out.baddbmm_(a, bb)
+        else:
+            torch.bmm(a, bb, out=out)
+    elif accumulate:
+        out.add_(a @ b)
+    else:
+        out.copy_(a @ b)
+
+
+def _rank_major_is_natural(shape: Sequence[int], seq_dim: int) -> bool:
+    """Whether the chunks of dim seq_dim, stacked rank after rank, are the tensor itself (every dim
+    before seq_dim has size 1)."""
+    return all(d == 1 for d in shape[:seq_dim])
+
+
+def _start_gather(local: torch.Tensor, g):
+    """(the rank-major buffer, chunk j at rows [j * local.shape[0], ...), its all-gather's Work)."""
+    gathered = local.new_empty((g.world_size * local.shape[0],) + tuple(local.shape[1:]))
+    return gathered, collectives.all_gather_into_tensor(gathered, local, group=g, async_op=True)
+
+
+def _natural(gathered: torch.Tensor, local: torch.Tensor, seq_dim: int, n: int) -> torch.Tensor:
+    """The whole tensor, chunks along seq_dim, from the rank-major gathered ones (a view where the
+    layouts agree, else one copy per chunk)."""
+    if _rank_major_is_natural(local.shape, seq_dim):
+        return gathered.view(_full_shape(local, seq_dim, n))
+    whole = local.new_empty(_full_shape(local, seq_dim, n))
+    for j, piece in enumerate(gathered.view(n, *local.shape)):
+        _chunk(whole, seq_dim, n, j).copy_(piece)
+    return whole
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, g):
+    """Start sending `send` to group rank `to` and receiving `recv` from `frm` (one NCCL group)."""
+    return batch_work([P2POp(isend, send, group=g, group_peer=to), P2POp(irecv, recv, group=g, group_peer=frm)])
+
+
+def _check_args(what: str, x: torch.Tensor, seq_dim: int, n: int, weights: Sequence[torch.Tensor], whole: bool):
+    if x.dim() < 2 or not 0 <= seq_dim < x.dim() - 1:
+        raise ValueError(f"pynccl::{what}: seq_dim {seq_dim} must name a dim before the last of the input "
+                         f"(shape {tuple(x.shape)})")
+    if whole and x.shape[seq_dim] % n:
+        raise ValueError(f"pynccl::{what}: the sequence dim (dim {seq_dim} of shape {tuple(x.shape)}) must be "
+                         f"divisible by the tensor-parallel size ({n})")
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != x.shape[-1] or w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"pynccl::{what}: each weight must be (out, {x.shape[-1]}) of {x.dtype} on {x.device}; "
+                             f"got {tuple(w.shape)} of {w.dtype} on {w.device}")
+
+
+def _full_shape(x: torch.Tensor, seq_dim: int, n: int, last: Optional[int] = None) -> List[int]:
+    shape = list(x.shape)
+    shape[seq_dim] *= n
+    if last is not None:
+        shape[-1] = last
+    return shape
+
+
+# ------------------------------------------------------------------- gather, then linears
+def _gather_linears(x: torch.Tensor, weights: List[torch.Tensor], seq_dim: int, group_size: int,
+                    group_name: str) -> List[torch.Tensor]:
+    g = _checked_group(group_name, group_size)
+    n, r = group_size, g.group_rank
+    _check_args("tp_gather_linears", x, seq_dim, n, weights, whole=False)
+    native = _native(g, "tp_gather_linears")
+    if native is not None:
+        return native(x, list(weights), seq_dim)
+    xs = x.contiguous()                                        # (.., s, .., h), this rank's chunk
+    gathered, work = _start_gather(xs, g)
+    ys = [xs.new_empty(_full_shape(xs, seq_dim, n, w.shape[0])) for w in weights]
+    for y, w in zip(ys, weights):                              # own chunk, beside the all-gather
+        _mm_into(_chunk(y, seq_dim, n, r), xs, w.t())           # (.., s, .., h) @ (h, out/tp)
+    work.wait()
+    pieces = gathered.view(n, *xs.shape)
+    x_full = _natural(gathered, xs, seq_dim, n)
+    for j in range(n):
+        if j != r:
+            for y, w in zip(ys, weights):
+                _mm_into(_chunk(y, seq_dim, n, j), pieces[j], w.t())
+    return [x_full] + ys
+
+
+def _gather_linears_fake(x, weights, seq_dim, group_size, group_name):
+    return [x.new_empty(_full_shape(x, seq_dim, group_size))] + \
+        [x.new_empty(_full_shape(x, seq_dim, group_size, w.shape[0])) for w in weights]
+
+
+def _gather_linears_backward(x_full: torch.Tensor, weights: List[torch.Tensor], grad_ys: List[torch.Tensor],
+                             grad_x_full: Optional[torch.Tensor], seq_dim: int, group_size: int,
+                             group_name: str) -> List[torch.Tensor]:
+    g = _checked_group(group_name, group_size)
+    n, r = group_size, g.group_rank
+    native = _native(g, "tp_gather_linears_backward")
+    if native is not None:
+        return native(x_full, list(weights), list(grad_ys), grad_x_full, seq_dim)
+
+    def partial_grad_x(j):  # chunk j of sum_i grad_y_i @ w_i (+ grad_x_full): this rank's part of its sum
+        out = torch.empty_like(_chunk(x_full, seq_dim, n, j), memory_format=torch.contiguous_format)
+        if grad_x_full is not None:
+            out.copy_(_chunk(grad_x_full, seq_dim, n, j))
+        for k, (gy, w) in enumerate(zip(grad_ys, weights)):
+            _mm_into(out, _chunk(gy, seq_dim, n, j), w, accumulate=grad_x_full is not None or k > 0)
+        return out
+
+    # NOTE: every peer's chunk is computed and sent first, so the weight GEMMs and this rank's own
+    # chunk run while they travel (ring order: step j sends to r + j and receives from r - j).
+    pending = []
+    for j in range(1, n):
+        part = partial_grad_x((r + j) % n)
+        recv = torch.empty_like(part)
+        pending.append((_exchange(part, recv, (r + j) % n, (r - j) % n, g), part, recv))
+    x2 = x_full.reshape(-1, x_full.shape[-1])
+    grad_ws = [gy.reshape(-1, gy.shape[-1]).t() @ x2 for gy in grad_ys]  # (out/tp, tokens) @ (tokens, h)
+    grad_x = partial_grad_x(r)
+    for work, _, recv in pending:
+        work.wait()
+        grad_x.add_(recv)
+    return [grad_x] + grad_ws
+
+
+def _gather_linears_backward_fake(x_full, weights, grad_ys, grad_x_full, seq_dim, group_size, group_name):
+    shape = list(x_full.shape)
+    shape[seq_dim] //= group_size
+    return [x_full.new_empty(shape)] + [torch.empty_like(w) for w in weights]
+
+
+gather_linears_op = define_op(
+    "tp_gather_linears(Tensor x, Tensor[] weights, int seq_dim, int group_size, str group_name) -> Tensor[]",
+    _gather_linears, _gather_linears_fake)
+gather_linears_backward_op = define_op(
+    "tp_gather_linears_backward(Tensor x_full, Tensor[] weights, Tensor[] grad_ys, Tensor? grad_x_full, "
+    "int seq_dim, int group_size, str group_name) -> Tensor[]", _gather_linears_backward, _gather_linears_backward_fake)
+
+
+class _GatherLinears(torch.autograd.Function):
+    """[x_full, *ys] = tp_gather_linears(x, weights); backward: tp_gather_linears_backward."""
+
+    @staticmethod
+    def forward(ctx, x, seq_dim, group_size, group_name, *weights):
+        out = gather_linears_op(x, list(weights), seq_dim, group_size, group_name)
+        ctx.save_for_backward(out[0], *weights)
+        ctx.args = (seq_dim, group_size, group_name)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, grad_x_full, *grad_ys):
+        x_full, *weights = ctx.saved_tensors
+        grad_ys = [torch.zeros(x_full.shape[:-1] + (w.shape[0],), dtype=x_full.dtype, device=x_full.device)
+                   if gy is None else gy for gy, w in zip(grad_ys, weights)]
+        grads = gather_linears_backward_op(x_full, weights, grad_ys, grad_x_full, *ctx.args)
+        return (grads[0], None, None, None, *grads[1:])
+
+
+# ------------------------------------------------------------ linear, then reduce-scatter
+def _linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, seq_dim: int, group_size: int,
+                           group_name: str) -> torch.Tensor:
+    g = _checked_group(group_name, group_size)
+    n, r = group_size, g.group_rank
+    _check_args("tp_linear_reduce_scatter", h, seq_dim, n, [weight], whole=True)
+    native = _native(g, "tp_linear_reduce_scatter")
+    if native is not None:
+        return native(h, weight, seq_dim)
+
+    def partial(j):  # (.., s, .., in/tp) @ (in/tp, out) -> this rank's part of chunk j's sum
+        chunk = _chunk(h, seq_dim, n, j)
+        out = h.new_empty(tuple(chunk.shape[:-1]) + (weight.shape[0],))
+        _mm_into(out, chunk, weight.t())
+        return out
+
+    pending = []
+    for j in range(1, n):       # NOTE: peers' chunks first (ring order), then ours while they travel
+        part = partial((r + j) % n)
+        recv = torch.empty_like(part)
+        pending.append((_exchange(part, recv, (r + j) % n, (r - j) % n, g), part, recv))
+    out = partial(r)
+    for work, _, recv in pending:
+        work.wait()
+        out.add_(recv)
+    return out
+
+
+def _linear_reduce_scatter_fake(h, weight, seq_dim, group_size, group_name):
+    shape = list(h.shape)
+    shape[seq_dim] //= group_size
+    shape[-1] = weight.shape[0]
+    return h.new_empty(shape)
+
+
+def _linear_reduce_scatter_backward(grad_out: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, seq_dim: int,
+                                    group_size: int, group_name: str) -> List[torch.Tensor]:
+    g = _checked_group(group_name, group_size)
+    n, r = group_size, g.group_rank
+    native = _native(g, "tp_linear_reduce_scatter_backward")
+    if native is not None:
+        return native(grad_out, h, weight, seq_dim)
+    go = grad_out.contiguous()                                  # (.., s, .., out), this rank's chunk
+    gathered, work = _start_gather(go, g)
+    grad_h = torch.empty_like(h, memory_format=torch.contiguous_format)
+    _mm_into(_chunk(grad_h, seq_dim, n, r), go, weight)         # own chunk beside the all-gather
+    work.wait()
+    pieces = gathered.view(n, *go.shape)
+    for j in range(n):
+        if j != r:
+            _mm_into(_chunk(grad_h, seq_dim, n, j), pieces[j], weight)  # (.., s, .., out) @ (out, in/tp)
+    grad_full = _natural(gathered, go, seq_dim, n)
+    grad_w = grad_full.reshape(-1, grad_full.shape[-1]).t() @ h.reshape(-1, h.shape[-1])  # (out, in/tp)
+    return [grad_h, grad_w]
+
+
+def _linear_reduce_scatter_backward_fake(grad_out, h, weight, seq_dim, group_size, group_name):
+    return [torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(weight)]
+
+
+linear_reduce_scatter_op = define_op(
+    "tp_linear_reduce_scatter(Tensor h, Tensor weight, int seq_dim, int group_size, str group_name) -> Tensor",
+    _linear_reduce_scatter, _linear_reduce_scatter_fake)
+linear_reduce_scatter_backward_op = define_op(
+    "tp_linear_reduce_scatter_backward(Tensor grad_out, Tensor h, Tensor weight, int seq_dim, int group_size, "
+    "str group_name) -> Tensor[]", _linear_reduce_scatter_backward, _linear_reduce_scatter_backward_fake)
+
+
+class _LinearReduceScatter(torch.autograd.Function):
+    """tp_linear_reduce_scatter(h, weight); backward: tp_linear_reduce_scatter_backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, seq_dim, group_size, group_name):
+        ctx.save_for_backward(h, weight)
+        ctx.args = (seq_dim, group_size, group_name)
+        return linear_reduce_scatter_op(h, weight, seq_dim, group_size, group_name)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight = ctx.saved_tensors
+        grad_h, grad_w = linear_reduce_scatter_backward_op(grad_out, h, weight, *ctx.args)
+        return grad_h, grad_w, None, None, None
+
+
+# -------------------------------------------------------------------- what the styles call
+def _compute_dtype(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.dtype:
+    """F.linear's dtype: autocast's where it is on for x's device, else x's (weights must match)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def gather_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], group, seq_dim: int):
+    """(x made whole along seq_dim, [x_whole @ w^T for w in weights]) with the all-gather overlapped.
+    Under autocast the inputs are cast as F.linear would cast them."""
+    dtype = _compute_dtype(x, weights)
+    g = resolve_group(group)
+    out = _GatherLinears.apply(x.to(dtype), seq_dim % x.dim(), g.world_size, g.name, *[w.to(dtype) for w in weights])
+    # NOTE: a view, free: dynamo (torch 2.11) cannot set attributes on an autograd.Function's outputs
+    # themselves, and the callers tag x_full (GRAD_REDUCED_BY, attach_precomputed).
+    return out[0].view_as(out[0]), out[1:]
+
+
+def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group, seq_dim: int) -> torch.Tensor:
+    """This rank's chunk (dim seq_dim) of sum_r h_r @ w_r^T, the partial products sent as they are made."""
+    dtype = _compute_dtype(h, [weight])
+    g = resolve_group(group)
+    return _LinearReduceScatter.apply(h.to(dtype), weight.to(dtype), seq_dim % h.dim(), g.world_size, g.name)
+
+
+def attach_precomputed(x_full: torch.Tensor, readers: Sequence[torch.nn.Module], ys: Sequence[torch.Tensor]) -> None:
+    """Hand each reader module its output, computed beside the gather that made x_full."""
+    setattr(x_full, PRECOMPUTED_ATTR, tuple(zip(readers, ys)))
+
+
+def precomputed(x: torch.Tensor, module: torch.nn.Module) -> Optional[torch.Tensor]:
+    """The bias-free output gather_linears computed for `module` reading x, or None."""
+    for reader, y in getattr(x, PRECOMPUTED_ATTR, ()):
+        if reader is module:
+            return y
+    return None

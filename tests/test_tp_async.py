@@ -1,0 +1,257 @@
+"""Sequence-parallel TP with its collectives overlapped with the GEMMs (pynccl/tensor_parallel/
+async_tp.py, PYNCCL_TP_ASYNC=1), on gloo:
+
+* the ops alone, fp64, at 2 and 3 ranks (3: the ring order of the partials' exchange), sequence
+  dim 0 ([s, b, h]: chunks contiguous) and 1 ([b, s, h]: strided chunks), against the same math on
+  the whole tensors: gathered input, every output, the input's and every weight's gradient;
+  the reduce-scatter's output and both gradients; each op's fake and schema (opcheck);
+* by plan on Hugging Face models at TP 2 (sequence parallelism on): loss, logits and every gradient
+  equal the unsharded model's within tests/test_tp_plan.py's fp32 bound, Llama (with and without
+  activation checkpointing) and GPT-2 (fused, biased Conv1D), and the ops really ran, as many
+  times as the plan has blocks;
+* compiled whole (aot_eager): no graph break, one graph, the ops in the forward and backward
+  graphs, the same values as eager;
+* the switch and bad input raise ValueError naming what was expected.
+"""
+import collections
+import copy
+import os
+
+import pytest
+import torch
+
+import pynccl
+import pynccl.tensor_parallel as tp
+from pynccl.tensor_parallel import async_tp
+from pynccl.testing import run_multiprocess
+from numerics import assert_within, chain_rtol
+
+transformers = pytest.importorskip("transformers")
+
+from test_tp_plan import FP32_TOL, check_plan, gpt2_config, llama_config  # noqa: E402
+from test_tp_compile import LLAMA_TOL, _close, _compiled, _grads_close, _no_breaks  # noqa: E402
+
+LAYERS = 2  # llama_config's / gpt2_config's
+
+
+def _seeded(shape, seed, grad=False):
+    t = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return t.requires_grad_() if grad else t
+
+
+def _within(actual, expected, what, terms):
+    """Two fp64 reduction orders over `terms` products: chain_rtol's bound, relative to the largest element."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert_within(actual, expected, chain_rtol(terms, dtype=torch.float64) * expected.abs().max().item(), what)
+
+
+def _ops_case(rank, world):
+    group = pynccl.get_default_group()
+    for seq_dim, shape in ((1, (3, 4 * world, 8)), (0, (4 * world, 3, 8)), (1, (1, 2 * world, 8))):
+        s = shape[seq_dim] // world
+        what = f"{world} ranks, seq_dim {seq_dim}, shape {shape}"
+        # gather, then two linears: every rank holds the same whole x and weights, its chunk of x
+        x_whole = _seeded(shape, 0, grad=True)
+        weights = [_seeded((5, 8), 1, grad=True), _seeded((7, 8), 2, grad=True)]
+        x = x_whole.detach().narrow(seq_dim, rank * s, s).clone().requires_grad_()
+        w_local = [w.detach().clone().requires_grad_() for w in weights]
+        x_full, ys = async_tp.gather_linears(x, w_local, group, seq_dim)
+        grad_ys = [_seeded(y.shape, 10 + i) for i, y in enumerate(ys)]
+        grad_x_full = _seeded(x_full.shape, 20)   # a reader that used x_full itself (F.linear on it)
+        (sum((y * g).sum() for y, g in zip(ys, grad_ys)) + (x_full * grad_x_full).sum()).backward()
+        expected = [x_whole @ w.t() for w in weights]
+        (sum((y * g).sum() for y, g in zip(expected, grad_ys)) + (x_whole * grad_x_full).sum()).backward()
+        assert torch.equal(x_full, x_whole.detach()), f"{what}: gathered input"
+        for i, (y, e) in enumerate(zip(ys, expected)):
+            _within(y, e.detach(), f"{what}: output {i}", 8)
+        # every rank computes the same partial gradient, so the sum over ranks is world × it
+        _within(x.grad, world * x_whole.grad.narrow(seq_dim, rank * s, s), f"{what}: grad of x", 16 * world)
+        for i, (w, e) in enumerate(zip(w_local, weights)):
+            _within(w.grad, e.grad, f"{what}: grad of weight {i}", x_whole.numel() // 8)
+        # linear, then reduce-scatter: each rank its own h and weight
+        hs = [_seeded(shape[:-1] + (6,), 100 + k) for k in range(world)]
+        ws = [_seeded((8, 6), 200 + k) for k in range(world)]
+        h, w = hs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+        out = async_tp.linear_reduce_scatter(h, w, group, seq_dim)
+        total = sum(a @ b.t() for a, b in zip(hs, ws))
+        _within(out, total.narrow(seq_dim, rank * s, s), f"{what}: reduce-scatter output", 6 * world)
+        grad_outs = [_seeded(out.shape, 300 + k) for k in range(world)]
+        (out * grad_outs[rank]).sum().backward()
+        grad_whole = torch.cat(grad_outs, seq_dim)          # (.., s·world, .., 8)
+        _within(h.grad, grad_whole @ ws[rank], f"{what}: grad of h", 8)
+        _within(w.grad, grad_whole.reshape(-1, 8).t() @ hs[rank].reshape(-1, 6), f"{what}: grad of w",
+                grad_whole.numel() // 8)
+    _opcheck_case(group)
+    _error_case(group)
+    return True
+
+
+def _opcheck_case(group):
+    n, name = group.world_size, group.name
+    x = _seeded((2, 4, 8), 5 + group.group_rank)
+    w = _seeded((6, 8), 6)
+    h = _seeded((2, 4 * n, 6), 7)
+    w2 = _seeded((8, 6), 8)
+    for op, args in ((torch.ops.pynccl.tp_gather_linears.default, (x, [w], 1, n, name)),
+                     (torch.ops.pynccl.tp_linear_reduce_scatter.default, (h, w2, 1, n, name))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def _error_case(group):
+    n, name = group.world_size, group.name
+    x = torch.randn(2, 3 * n + 1, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="must be divisible by the tensor-parallel size"):
+        torch.ops.pynccl.tp_linear_reduce_scatter(x, torch.randn(4, 8, dtype=torch.float64), 1, n, name)
+    with pytest.raises(ValueError, match=r"each weight must be \(out, 8\) of torch.float64"):
+        torch.ops.pynccl.tp_gather_linears(x, [torch.randn(4, 8)], 1, n, name)
+    with pytest.raises(ValueError, match="seq_dim 2 must name a dim before the last"):
+        torch.ops.pynccl.tp_gather_linears(x, [torch.randn(4, 8, dtype=torch.float64)], 2, n, name)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("world", [2, 3])
+def test_async_tp_ops_match_the_whole_tensors_math(world):
+    assert run_multiprocess(_ops_case, world, timeout=300) == [True] * world
+
+
+class _Counted:
+    """PYNCCL_TP_ASYNC=1 for the plans built inside, and how often each overlapped op ran."""
+
+    def __enter__(self):
+        os.environ["PYNCCL_TP_ASYNC"] = "1"
+        self.calls = collections.Counter()
+        self._orig = (async_tp.gather_linears, async_tp.linear_reduce_scatter)
+        gather, scatter = self._orig
+
+        def counted_gather(*a, **k):
+            self.calls["gather_linears"] += 1
+            return gather(*a, **k)
+
+        def counted_scatter(*a, **k):
+            self.calls["linear_reduce_scatter"] += 1
+            return scatter(*a, **k)
+        async_tp.gather_linears, async_tp.linear_reduce_scatter = counted_gather, counted_scatter
+        return self
+
+    def __exit__(self, *exc):
+        os.environ.pop("PYNCCL_TP_ASYNC", None)
+        async_tp.gather_linears, async_tp.linear_reduce_scatter = self._orig
+
+
+def _plan_case(rank, world):
+    group = pynccl.get_default_group()
+    # (what, config, plan, checkpointing, gathers and reduce-scatters per forward)
+    # Llama: each attention and MLP input gathered with its projections, the LM head's input too;
+    # each o_proj / down_proj reduce-scattered. GPT-2: the LM head reads the gathered final norm.
+    cases = [("llama", llama_config(use_cache=False), tp.plans.llama(sequence_parallel=True), False,
+              2 * LAYERS + 1, 2 * LAYERS),
+             ("llama, checkpointed", llama_config(use_cache=False), tp.plans.llama(sequence_parallel=True), True,
+              2 * LAYERS + 1, 2 * LAYERS),
+             ("gpt2", gpt2_config(use_cache=False), tp.plans.gpt2(sequence_parallel=True), False,
+              2 * LAYERS, 2 * LAYERS)]
+    for what, config, plan, ckpt, gathers, scatters in cases:
+        with _Counted() as seen:
+            check_plan(config, plan, group, f"{what}, async TP", checkpointing=ckpt)
+        rerun = LAYERS * 2 if ckpt else 0   # checkpointed layers run their forward again in backward
+        assert seen.calls == {"gather_linears": gathers + rerun, "linear_reduce_scatter": scatters + rerun}, \
+            f"{what}: {dict(seen.calls)}"
+    # the switch is read when the plan is applied
+    os.environ["PYNCCL_TP_ASYNC"] = "2"
+    try:
+        with pytest.raises(ValueError, match="PYNCCL_TP_ASYNC must be 0 or 1, got '2'"):
+            tp.parallelize_module(transformers.LlamaForCausalLM(llama_config()), group,
+                                  tp.plans.llama(sequence_parallel=True))
+    finally:
+        os.environ.pop("PYNCCL_TP_ASYNC", None)
+    return True
+
+
+@pytest.mark.numerics
+def test_async_tp_plans_equal_the_unsharded_model():
+    assert run_multiprocess(_plan_case, 2, timeout=600) == [True, True]
+
+
+def _compile_case(rank, world):
+    group = pynccl.get_default_group()
+    cfg = llama_config(use_cache=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg)
+    plan = tp.plans.llama(sequence_parallel=True)
+    os.environ["PYNCCL_TP_ASYNC"] = "1"
+    try:
+        eager = tp.parallelize_module(copy.deepcopy(ref), group, plan)
+        compiled, seen = _compiled(tp.parallelize_module(copy.deepcopy(ref), group, plan), "record")
+    finally:
+        os.environ.pop("PYNCCL_TP_ASYNC", None)
+    x = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref_out = ref(input_ids=x, labels=x)
+    ref_out.loss.backward()
+    eager_out = eager(input_ids=x, labels=x)
+    eager_out.loss.backward()
+    out = compiled(input_ids=x, labels=x)
+    out.loss.backward()
+    what = "llama sp, async TP, compiled"
+    # Forward: the embedding's all-reduce and the loss's two; the first layer's slice; per layer two
+    # gathers with their projections and two reduce-scatters, the LM head's gather. Backward: their
+    # backward ops, the slice's all-gather and the norm weights' grads summed.
+    fw = {"all_reduce": 3, "tp_gather_linears": 2 * LAYERS + 1, "tp_linear_reduce_scatter": 2 * LAYERS}
+    bw = {"all_reduce": 2 * LAYERS + 1, "all_gather_into_tensor": 1, "tp_gather_linears_backward": 2 * LAYERS + 1,
+          "tp_linear_reduce_scatter_backward": 2 * LAYERS}
+    _no_breaks(seen, what, collections.Counter(fw), collections.Counter(bw))
+    _close(out.loss, ref_out.loss.detach(), f"{what}: loss vs unwrapped", LLAMA_TOL)
+    _close(out.loss, eager_out.loss.detach(), f"{what}: loss vs eager", LLAMA_TOL)
+    _close(out.logits, eager_out.logits.detach(), f"{what}: logits vs eager", LLAMA_TOL)
+    _grads_close(compiled, eager, ref, group, what, LLAMA_TOL)
+    return True
+
+
+@pytest.mark.numerics
+def test_async_tp_compiles_without_graph_breaks():
+    assert run_multiprocess(_compile_case, 2, timeout=600) == [True, True]
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_async_tp_ops_on_nccl():
+    """On NCCL the ops run in C++ (csrc/tp_overlap.cpp): each output and gradient equals the Python
+    reference's (the same GEMMs on the same chunks: bit for bit), then the plans as on gloo."""
+    assert run_multiprocess(_gpu_case, 2, backend="nccl", start_method="spawn", timeout=600) == [True, True]
+
+
+def _gpu_case(rank, world):
+    torch.backends.cuda.matmul.allow_tf32 = False   # fp32 means fp32: the bounds are fp32's
+    group = pynccl.get_default_group()
+    device = pynccl.get_device(group)
+    _native_matches_python(group, device)
+    for what, config, plan in (("llama", llama_config(use_cache=False), tp.plans.llama(sequence_parallel=True)),
+                               ("gpt2", gpt2_config(use_cache=False), tp.plans.gpt2(sequence_parallel=True))):
+        with _Counted() as seen:
+            check_plan(config, plan, group, f"{what}, async TP on NCCL", device=device)
+        assert seen.calls["gather_linears"] > 0 and seen.calls["linear_reduce_scatter"] > 0, dict(seen.calls)
+    return True
+
+
+def _native_matches_python(group, device):
+    n = group.world_size
+    for seq_dim, shape in ((1, (3, 4 * n, 64)), (0, (4 * n, 3, 64))):
+        x = _seeded(shape[:seq_dim] + (shape[seq_dim] // n,) + shape[seq_dim + 1:], 40 + group.group_rank).to(device)
+        ws = [_seeded((32, 64), 41).to(device), _seeded((16, 64), 42).to(device)]
+        h = _seeded(shape[:-1] + (48,), 43 + group.group_rank).to(device)
+        w2 = _seeded((64, 48), 44).to(device)
+        runs = []
+        for native in (True, False):
+            original = async_tp._native
+            if not native:
+                async_tp._native = lambda g, name: None
+            try:
+                xr, wr = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+                full, ys = async_tp.gather_linears(xr, wr, group, seq_dim)
+                (sum((y * (i + 1)).sum() for i, y in enumerate(ys)) + full.sum()).backward()
+                hr, w2r = h.clone().requires_grad_(), w2.clone().requires_grad_()
+                out = async_tp.linear_reduce_scatter(hr, w2r, group, seq_dim)
+                (out * out).sum().backward()
+                runs.append([full, *ys, xr.grad, *[w.grad for w in wr], out, hr.grad, w2r.grad])
+            finally:
+                async_tp._native = original
+        for i, (a, b) in enumerate(zip(*runs)):
+            assert torch.equal(a, b), f"seq_dim {seq_dim}: C++ and Python differ in result {i}"
