@@ -50,24 +50,25 @@ def _ops_case(rank, world):
     for seq_dim, shape in ((1, (3, 4 * world, 8)), (0, (4 * world, 3, 8)), (1, (1, 2 * world, 8))):
         s = shape[seq_dim] // world
         what = f"{world} ranks, seq_dim {seq_dim}, shape {shape}"
-        # gather, then two linears: every rank holds the same whole x and weights, its chunk of x
-        x_whole = _seeded(shape, 0, grad=True)
-        weights = [_seeded((5, 8), 1, grad=True), _seeded((7, 8), 2, grad=True)]
-        x = x_whole.detach().narrow(seq_dim, rank * s, s).clone().requires_grad_()
-        w_local = [w.detach().clone().requires_grad_() for w in weights]
+        # gather, then two linears: one whole x sharded over the ranks; each rank its own weights and
+        # output gradients, so x's gradient is a true sum over ranks (every rank's partial differs)
+        x_whole = _seeded(shape, 0)
+        widths = (5, 7)
+        weights = [[_seeded((m, 8), 10 * k + i) for i, m in enumerate(widths)] for k in range(world)]
+        grad_ys = [[_seeded(shape[:-1] + (m,), 100 + 10 * k + i) for i, m in enumerate(widths)] for k in range(world)]
+        grad_x_fulls = [_seeded(shape, 200 + k) for k in range(world)]  # readers that used x_full itself
+        x = x_whole.narrow(seq_dim, rank * s, s).clone().requires_grad_()
+        w_local = [w.clone().requires_grad_() for w in weights[rank]]
         x_full, ys = async_tp.gather_linears(x, w_local, group, seq_dim)
-        grad_ys = [_seeded(y.shape, 10 + i) for i, y in enumerate(ys)]
-        grad_x_full = _seeded(x_full.shape, 20)   # a reader that used x_full itself (F.linear on it)
-        (sum((y * g).sum() for y, g in zip(ys, grad_ys)) + (x_full * grad_x_full).sum()).backward()
-        expected = [x_whole @ w.t() for w in weights]
-        (sum((y * g).sum() for y, g in zip(expected, grad_ys)) + (x_whole * grad_x_full).sum()).backward()
-        assert torch.equal(x_full, x_whole.detach()), f"{what}: gathered input"
-        for i, (y, e) in enumerate(zip(ys, expected)):
-            _within(y, e.detach(), f"{what}: output {i}", 8)
-        # every rank computes the same partial gradient, so the sum over ranks is world × it
-        _within(x.grad, world * x_whole.grad.narrow(seq_dim, rank * s, s), f"{what}: grad of x", 16 * world)
-        for i, (w, e) in enumerate(zip(w_local, weights)):
-            _within(w.grad, e.grad, f"{what}: grad of weight {i}", x_whole.numel() // 8)
+        (sum((y * g).sum() for y, g in zip(ys, grad_ys[rank])) + (x_full * grad_x_fulls[rank]).sum()).backward()
+        assert torch.equal(x_full, x_whole), f"{what}: gathered input"
+        for i, (y, w) in enumerate(zip(ys, weights[rank])):
+            _within(y, x_whole @ w.t(), f"{what}: output {i}", 8)
+        partial = [grad_x_fulls[k] + sum(g @ w for g, w in zip(grad_ys[k], weights[k])) for k in range(world)]
+        _within(x.grad, sum(partial).narrow(seq_dim, rank * s, s), f"{what}: grad of x", (1 + sum(widths)) * world)
+        for i, (w, g) in enumerate(zip(w_local, grad_ys[rank])):
+            _within(w.grad, g.reshape(-1, g.shape[-1]).t() @ x_whole.reshape(-1, 8), f"{what}: grad of weight {i}",
+                    x_whole.numel() // 8)
         # linear, then reduce-scatter: each rank its own h and weight
         hs = [_seeded(shape[:-1] + (6,), 100 + k) for k in range(world)]
         ws = [_seeded((8, 6), 200 + k) for k in range(world)]
@@ -92,9 +93,22 @@ def _opcheck_case(group):
     w = _seeded((6, 8), 6)
     h = _seeded((2, 4 * n, 6), 7)
     w2 = _seeded((8, 6), 8)
+    x_full = _seeded((2, 4 * n, 8), 9)
+    w_t = _seeded((8, 6), 6).t()        # transposed, as a Conv1D layer's weight comes in
     for op, args in ((torch.ops.pynccl.tp_gather_linears.default, (x, [w], 1, n, name)),
-                     (torch.ops.pynccl.tp_linear_reduce_scatter.default, (h, w2, 1, n, name))):
+                     (torch.ops.pynccl.tp_gather_linears.default, (x, [w_t], 1, n, name)),
+                     (torch.ops.pynccl.tp_gather_linears_backward.default,
+                      (x_full, [w_t], [_seeded((2, 4 * n, 6), 10)], None, 1, n, name)),
+                     (torch.ops.pynccl.tp_linear_reduce_scatter.default, (h, w2, 1, n, name)),
+                     (torch.ops.pynccl.tp_linear_reduce_scatter_backward.default,
+                      (_seeded((2, 4, 8), 11), h, w2.t().contiguous().t(), 1, n, name)),
+                     (torch.ops.pynccl.tp_linear_reduce_scatter_backward.default,
+                      (_seeded((2, 4, 6), 12), _seeded((2, 4 * n, 8), 13), w_t, 1, n, name))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    # the ops carry no autograd formula: called on a tensor that requires grad, outside an
+    # autograd.Function, they refuse (torch's fallback would pass the gradient through un-summed)
+    with pytest.raises(RuntimeError, match="pynccl::all_reduce has no autograd formula"):
+        torch.ops.pynccl.all_reduce(x.clone().requires_grad_(), "sum", name)
 
 
 def _error_case(group):
@@ -106,6 +120,8 @@ def _error_case(group):
         torch.ops.pynccl.tp_gather_linears(x, [torch.randn(4, 8)], 1, n, name)
     with pytest.raises(ValueError, match="seq_dim 2 must name a dim before the last"):
         torch.ops.pynccl.tp_gather_linears(x, [torch.randn(4, 8, dtype=torch.float64)], 2, n, name)
+    with pytest.raises(ValueError, match=r"seq_dim 3 is out of range for an input of shape \(2, "):
+        async_tp.linear_reduce_scatter(x, torch.randn(4, 8, dtype=torch.float64), group, 3)
 
 
 @pytest.mark.numerics
@@ -155,6 +171,8 @@ def _plan_case(rank, world):
         rerun = LAYERS * 2 if ckpt else 0   # checkpointed layers run their forward again in backward
         assert seen.calls == {"gather_linears": gathers + rerun, "linear_reduce_scatter": scatters + rerun}, \
             f"{what}: {dict(seen.calls)}"
+    _autocast_case(group)
+    _other_readers_case(group)
     # the switch is read when the plan is applied
     os.environ["PYNCCL_TP_ASYNC"] = "2"
     try:
@@ -164,6 +182,69 @@ def _plan_case(rank, world):
     finally:
         os.environ.pop("PYNCCL_TP_ASYNC", None)
     return True
+
+
+def _autocast_case(group):
+    """Under bf16 autocast the outputs have the plain path's dtypes (a biased reader's output is
+    F.linear's bf16, not promoted by an fp32 bias) and the loss agrees within bf16's rounding of the
+    model's reduction chain (the overlap gathers and sums x's gradient in bf16, the plain path in fp32)."""
+    config = gpt2_config(use_cache=False)
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(config)
+    x = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for flag in ("0", "1"):
+        os.environ["PYNCCL_TP_ASYNC"] = flag
+        try:
+            par = tp.parallelize_module(copy.deepcopy(ref), group, tp.plans.gpt2(sequence_parallel=True))
+        finally:
+            os.environ.pop("PYNCCL_TP_ASYNC", None)
+        seen = {}
+        hook = par.transformer.h[0].attn.c_attn.register_forward_hook(lambda m, a, o: seen.setdefault("c_attn", o))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = par(input_ids=x, labels=x)
+        hook.remove()
+        runs[flag] = (out.loss.float().item(), out.logits.dtype, seen["c_attn"].dtype)
+    assert runs["1"][1:] == runs["0"][1:], f"dtypes under autocast: async {runs['1'][1:]}, plain {runs['0'][1:]}"
+    from test_tp_plan import BATCH, SEQ_LEN, VOCAB
+    from numerics import transformer_rtol
+    bound = transformer_rtol(2, 64, 256, 16, SEQ_LEN, VOCAB, BATCH * SEQ_LEN, dtype=torch.bfloat16)
+    assert abs(runs["1"][0] - runs["0"][0]) <= bound * abs(runs["0"][0]), f"loss under autocast: {runs}, bound {bound}"
+
+
+class _LowRankBlock(torch.nn.Module):
+    """A block whose column-parallel `up` reads another layer's output, not the block's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.down, self.up, self.out = torch.nn.Linear(16, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.out(self.up(self.down(x)))
+
+
+def _other_readers_case(group):
+    """A ColwiseParallel layer that does not read the gathered input is left to its own forward."""
+    from test_tp_plan import SEQ_LEN
+    torch.manual_seed(3)
+    ref = _LowRankBlock()
+    plan = {"": tp.PrepareModuleInput(input_layouts=(tp.Shard(1),), desired_input_layouts=(tp.Replicate(),)),
+            "down": tp.ColwiseParallel(output_layouts=tp.Replicate()), "up": tp.ColwiseParallel(),
+            "out": tp.RowwiseParallel(output_layouts=tp.Shard(1))}
+    x = torch.randn(2, SEQ_LEN, 16, generator=torch.Generator().manual_seed(4))
+    n, r = group.world_size, group.group_rank
+    shard = x.chunk(n, 1)[r]
+    outs = {}
+    for flag in ("0", "1"):
+        os.environ["PYNCCL_TP_ASYNC"] = flag
+        try:
+            par = tp.parallelize_module(copy.deepcopy(ref), group, plan)
+        finally:
+            os.environ.pop("PYNCCL_TP_ASYNC", None)
+        outs[flag] = par(shard)
+    expected = ref(x).chunk(n, 1)[r]
+    for flag, out in outs.items():
+        assert_within(out, expected, FP32_TOL * expected.abs().max().item(), f"low-rank block, PYNCCL_TP_ASYNC={flag}")
 
 
 @pytest.mark.numerics

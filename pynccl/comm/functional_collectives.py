@@ -87,7 +87,23 @@ def define_op(schema: str, impl, fake):
     _LIB.define(schema)
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"pynccl::{name}", fake, lib=_LIB)
-    return getattr(torch.ops.pynccl, name).default
+    op = getattr(torch.ops.pynccl, name).default
+
+    def no_autograd(keyset, *args):
+        # NOTE: without this kernel torch only warns and passes the gradient through unchanged (an
+        # all-reduce's gradient would come back un-summed). ~2 µs a call.
+        if torch.is_grad_enabled() and any(_requires_grad(a) for a in args):
+            raise RuntimeError(f"pynccl::{name} has no autograd formula; call it inside an autograd.Function "
+                               f"(as pynccl.tensor_parallel does) or under torch.no_grad()")
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+    _LIB.impl(name, no_autograd, "Autograd", with_keyset=True)
+    return op
+
+
+def _requires_grad(a) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.requires_grad
+    return isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.requires_grad for t in a)
 
 
 def _all_reduce(x, reduce_op, group_name):

@@ -196,7 +196,8 @@ def _gather_linears_backward(x_full: torch.Tensor, weights: List[torch.Tensor], 
 def _gather_linears_backward_fake(x_full, weights, grad_ys, grad_x_full, seq_dim, group_size, group_name):
     shape = list(x_full.shape)
     shape[seq_dim] //= group_size
-    return [x_full.new_empty(shape)] + [torch.empty_like(w) for w in weights]
+    # NOTE: contiguous, as the mm results: a weight may come in transposed (Conv1D's w.t())
+    return [x_full.new_empty(shape)] + [w.new_empty(w.shape) for w in weights]
 
 
 gather_linears_op = define_op(
@@ -283,7 +284,7 @@ def _linear_reduce_scatter_backward(grad_out: torch.Tensor, h: torch.Tensor, wei
 
 
 def _linear_reduce_scatter_backward_fake(grad_out, h, weight, seq_dim, group_size, group_name):
-    return [torch.empty_like(h, memory_format=torch.contiguous_format), torch.empty_like(weight)]
+    return [torch.empty_like(h, memory_format=torch.contiguous_format), weight.new_empty(weight.shape)]
 
 
 linear_reduce_scatter_op = define_op(
@@ -318,12 +319,21 @@ def _compute_dtype(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.dt
     return x.dtype
 
 
+def _seq_dim(what: str, x: torch.Tensor, seq_dim: int) -> int:
+    if not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(f"{what}: seq_dim {seq_dim} is out of range for an input of shape {tuple(x.shape)}")
+    return seq_dim % x.dim()
+
+
 def gather_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], group, seq_dim: int):
     """(x made whole along seq_dim, [x_whole @ w^T for w in weights]) with the all-gather overlapped.
-    Under autocast the inputs are cast as F.linear would cast them."""
+    Under autocast the inputs are cast as F.linear would cast them, so the whole x, the gather and
+    x's gradient sum are in autocast's dtype (Megatron's bf16 sequence parallelism; the plain path
+    gathers and sums in x's own dtype)."""
+    seq_dim = _seq_dim("gather_linears", x, seq_dim)
     dtype = _compute_dtype(x, weights)
     g = resolve_group(group)
-    out = _GatherLinears.apply(x.to(dtype), seq_dim % x.dim(), g.world_size, g.name, *[w.to(dtype) for w in weights])
+    out = _GatherLinears.apply(x.to(dtype), seq_dim, g.world_size, g.name, *[w.to(dtype) for w in weights])
     # NOTE: a view, free: dynamo (torch 2.11) cannot set attributes on an autograd.Function's outputs
     # themselves, and the callers tag x_full (GRAD_REDUCED_BY, attach_precomputed).
     return out[0].view_as(out[0]), out[1:]
@@ -331,9 +341,10 @@ def gather_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], group, seq_
 
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group, seq_dim: int) -> torch.Tensor:
     """This rank's chunk (dim seq_dim) of sum_r h_r @ w_r^T, the partial products sent as they are made."""
+    seq_dim = _seq_dim("linear_reduce_scatter", h, seq_dim)
     dtype = _compute_dtype(h, [weight])
     g = resolve_group(group)
-    return _LinearReduceScatter.apply(h.to(dtype), weight.to(dtype), seq_dim % h.dim(), g.world_size, g.name)
+    return _LinearReduceScatter.apply(h.to(dtype), weight.to(dtype), seq_dim, g.world_size, g.name)
 
 
 def attach_precomputed(x_full: torch.Tensor, readers: Sequence[torch.nn.Module], ys: Sequence[torch.Tensor]) -> None:

@@ -37,7 +37,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
         y = F.linear(x, weight, bias)  # (.., in) @ (in, out/tp) -> (.., out/tp)
     elif sequence_parallel and overlap_gemm and dist.get_world_size(group) > 1:
         _, (y,) = async_tp.gather_linears(x, [weight], group, seq_dim)  # (.., s/tp, .., in) -> (.., s, .., out/tp)
-        y = y if bias is None else y + bias
+        y = y if bias is None else y + bias.to(y.dtype)  # F.linear's dtype under autocast
     else:
         y = linear_with_tensor_parallel_input(x, weight, bias, group, sequence_parallel, seq_dim)  # -> (.., out/tp)
     return gather_from_tensor_parallel_region(y, group) if gather_output else y  # -> (.., out)

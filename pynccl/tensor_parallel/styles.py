@@ -82,7 +82,7 @@ class ColwiseParallel(ParallelStyle):
                 return gather_from_tensor_parallel_region(y, group) if gather_output else y
             ready = async_tp.precomputed(x, mod)
             if ready is not None:            # the block's input gather computed it (async_tp.py)
-                y = ready if mod.bias is None else ready + mod.bias
+                y = ready if mod.bias is None else ready + mod.bias.to(ready.dtype)  # F.linear's dtype
                 return gather_from_tensor_parallel_region(y, group) if gather_output else y
             summed = grad_reduced_upstream(x, group)
             if summed and not style.input_layout.is_replicate():
@@ -255,7 +255,7 @@ class PrepareModuleInput(ParallelStyle):
             # whole here: each reader's weight alias belongs to that input. Never looked at while
             # traced: filling `readers` inside a compiled region would recompile it on the next call.
             overlap, gemm_readers = [], ()
-            if overlap_gemm and self._wholes(args, kwargs) == 1:
+            if overlap_gemm and self._wholes(args, kwargs) == 1 and self._gathers_sequence():
                 # NOTE: found on every call (traced too: a pure walk of the module tree, no state kept).
                 gemm_readers = tuple(m for m in _colwise_readers(mod) if getattr(m, STYLE_ATTR).input_layout.is_replicate())
             elif not torch.compiler.is_compiling() and grad_overlap.enabled():
@@ -306,6 +306,11 @@ class PrepareModuleInput(ParallelStyle):
             return None
         return k, key
 
+    def _gathers_sequence(self) -> bool:
+        """Whether a layout here all-gathers a sequence shard (async_tp's case; else grad_overlap's)."""
+        return any(src is not None and dst is not None and src.is_shard() and dst.is_replicate()
+                   for src, dst in self.arg_layouts + list(self.kwarg_layouts.values()))
+
     def _wholes(self, args, kwargs) -> int:
         """How many tensors this call makes whole (desired Replicate())."""
         pairs = [(a, layouts) for a, layouts in zip(args, self.arg_layouts)]
@@ -331,10 +336,13 @@ def _relayout(x, src, dst, group, readers=(), gemm_readers=()):
                              f"not the last dim, of an input of shape {tuple(x.shape)}")
         seq_dim = None if src.is_replicate() else src.dim % x.dim()
         whole = grad_overlap.start(x, group, readers, seq_dim) if readers else None
+        # NOTE: only readers whose input width is x's: a ColwiseParallel fed by another layer of the
+        # block (a low-rank pair) cannot be computed from x.
+        gemm_readers = [(m, m.weight.t() if is_conv1d(m) else m.weight) for m in gemm_readers]
+        gemm_readers = [(m, w) for m, w in gemm_readers if w.dim() == 2 and w.shape[1] == x.shape[-1]]
         if seq_dim is not None and gemm_readers:
-            weights = [m.weight.t() if is_conv1d(m) else m.weight for m in gemm_readers]
-            x, ys = async_tp.gather_linears(x, weights, group, seq_dim)  # (b, s/tp, h) -> (b, s, h), [(b, s, out/tp)]
-            async_tp.attach_precomputed(x, gemm_readers, ys)
+            x, ys = async_tp.gather_linears(x, [w for _, w in gemm_readers], group, seq_dim)  # (b, s/tp, h) -> (b, s, h)
+            async_tp.attach_precomputed(x, [m for m, _ in gemm_readers], ys)
         elif whole is not None:
             x = whole
         elif src.is_replicate():
