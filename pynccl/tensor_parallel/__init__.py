@@ -5,7 +5,7 @@ the activation layout (where the sequence is) as an argument. Two ways to use th
 * modules written tensor-parallel: the sharded layers (layers.py, Megatron's [s, b, h] by
   default), a GPT-2-style block (transformer.py), vocabulary-parallel cross-entropy, the RNG
   tracker for dropout;
-* by plan on an unmodified model (plan.py, styles.py, loss_parallel.py, plans.py:
+* by plan on an unmodified model (plan.py, styles.py, relayout.py, loss_parallel.py, plans.py:
   parallelize_module with ColwiseParallel, RowwiseParallel, SequenceParallel, ... as
   torch.distributed.tensor.parallel, Hugging Face's [b, s, h]), and a full state dict back from
   it (state_dict.py), or sharded as DTensors for torch.distributed.checkpoint (dcp.py).
@@ -50,8 +50,8 @@ from .sharding import shard_like, shard_tensor
 from .loss_parallel import LossParallel, vocab_parallel_causal_lm_loss
 from .parallelize import parallelize_module
 from .plan import ParallelStyle, Replicate, Shard, shard_specs
-from .styles import (ColwiseParallel, LocalHeads, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                     SequenceParallel)
+from .relayout import PrepareModuleInput, PrepareModuleOutput
+from .styles import ColwiseParallel, LocalHeads, RowwiseParallel, SequenceParallel
 from .random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_cuda_rng_tracker, get_rng_tracker,
                      model_parallel_seed)
 from .state_dict import unshard_tensor, unsharded_state_dict

@@ -1,7 +1,7 @@
 """Backward overlap of a block's summed input gradient with its weight-gradient GEMMs (issue 27,
 asynchronous tensor parallelism, eager mode).
 
-PrepareModuleInput (styles.py) makes a block's input whole once and sums its gradient over the TP
+PrepareModuleInput (relayout.py) makes a block's input whole once and sums its gradient over the TP
 group once, for all the ColwiseParallel layers that read it (q, k and v; gate and up): an
 all-reduce, or with sequence parallelism a reduce-scatter of the sequence. Autograd computes each
 of those layers' input and weight gradients in one node, and the node that sums the input

@@ -4,7 +4,7 @@ torch.distributed.tensor.parallel on plain tensors and pynccl groups, with no DT
     model = parallelize_module(model, tp_group, {"model.layers.*.self_attn.q_proj": ColwiseParallel(), ...})
 
 This file holds the machinery: layouts and the ParallelStyle interface; parallelize.py the entry
-point, parallelize_module; styles.py the styles, loss_parallel.py the loss, plans.py ready plans. Each style shards the
+point, parallelize_module; styles.py and relayout.py the styles, loss_parallel.py the loss, plans.py ready plans. Each style shards the
 matched module's parameters in place (same names, same module classes, so the model's own forward,
 DDP, ZeRO and state_dict keep working) with the sharding code the Megatron-layout layers are built
 with (sharding.py), and replaces its forward by the same functions as theirs (sharded_ops.py). Layouts say where a tensor is split: Shard(1) is the

@@ -22,8 +22,8 @@ from typing import Dict
 
 from .loss_parallel import LossParallel
 from .plan import ParallelStyle, Replicate, Shard
-from .styles import (ColwiseParallel, LocalHeads, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                     SequenceParallel)
+from .relayout import PrepareModuleInput, PrepareModuleOutput
+from .styles import ColwiseParallel, LocalHeads, RowwiseParallel, SequenceParallel
 
 SEQ = Shard(1)  # the sequence of Hugging Face's [b, s, h]
 
