@@ -29,7 +29,7 @@ from numerics import assert_within, chain_rtol
 transformers = pytest.importorskip("transformers")
 
 from test_tp_plan import FP32_TOL, check_plan, gpt2_config, llama_config  # noqa: E402
-from test_tp_compile import LLAMA_TOL, _close, _compiled, _grads_close, _no_breaks  # noqa: E402
+from test_tp_compile import _compiled, llama_compiled_equals_eager  # noqa: E402
 
 LAYERS = 2  # llama_config's / gpt2_config's
 
@@ -265,24 +265,13 @@ def _compile_case(rank, world):
     finally:
         os.environ.pop("PYNCCL_TP_ASYNC", None)
     x = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
-    ref_out = ref(input_ids=x, labels=x)
-    ref_out.loss.backward()
-    eager_out = eager(input_ids=x, labels=x)
-    eager_out.loss.backward()
-    out = compiled(input_ids=x, labels=x)
-    out.loss.backward()
-    what = "llama sp, async TP, compiled"
     # Forward: the embedding's all-reduce and the loss's two; the first layer's slice; per layer two
     # gathers with their projections and two reduce-scatters, the LM head's gather. Backward: their
     # backward ops, the slice's all-gather and the norm weights' grads summed.
     fw = {"all_reduce": 3, "tp_gather_linears": 2 * LAYERS + 1, "tp_linear_reduce_scatter": 2 * LAYERS}
     bw = {"all_reduce": 2 * LAYERS + 1, "all_gather_into_tensor": 1, "tp_gather_linears_backward": 2 * LAYERS + 1,
           "tp_linear_reduce_scatter_backward": 2 * LAYERS}
-    _no_breaks(seen, what, collections.Counter(fw), collections.Counter(bw))
-    _close(out.loss, ref_out.loss.detach(), f"{what}: loss vs unwrapped", LLAMA_TOL)
-    _close(out.loss, eager_out.loss.detach(), f"{what}: loss vs eager", LLAMA_TOL)
-    _close(out.logits, eager_out.logits.detach(), f"{what}: logits vs eager", LLAMA_TOL)
-    _grads_close(compiled, eager, ref, group, what, LLAMA_TOL)
+    llama_compiled_equals_eager(ref, eager, compiled, seen, x, group, "llama sp, async TP, compiled", fw, bw)
     return True
 
 

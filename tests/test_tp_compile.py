@@ -101,13 +101,6 @@ def _llama_case(group, sequence_parallel, device="cpu", backend="record"):
     eager = tp.parallelize_module(copy.deepcopy(ref), group, plan)
     compiled, seen = _compiled(tp.parallelize_module(copy.deepcopy(ref), group, plan), backend)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)).to(device)
-    what = f"llama sp={sequence_parallel}"
-    ref_out = ref(input_ids=x, labels=x)
-    ref_out.loss.backward()
-    eager_out = eager(input_ids=x, labels=x)
-    eager_out.loss.backward()
-    out = compiled(input_ids=x, labels=x)
-    out.loss.backward()
     # Forward: the embedding's all-reduce, the loss's two (max, then the sums); per layer the
     # attention and MLP outputs' all-reduce (sp: reduce-scatter, and their inputs' all-gathers),
     # sp the LM head's input gathered. Backward the conjugates: without sp, each attention / MLP
@@ -120,6 +113,18 @@ def _llama_case(group, sequence_parallel, device="cpu", backend="record"):
               "reduce_scatter_tensor": 2 * LAYERS + 1}
     else:
         fw, bw = {"all_reduce": 2 * LAYERS + 3}, {"all_reduce": 2 * LAYERS + 1}
+    llama_compiled_equals_eager(ref, eager, compiled, seen, x, group, f"llama sp={sequence_parallel}", fw, bw)
+
+
+def llama_compiled_equals_eager(ref, eager, compiled, seen, x, group, what, fw, bw):
+    """Train step on each of the unwrapped, eager-TP and compiled-TP Llama; then no graph break, the
+    graphs' pynccl ops as fw / bw, and loss, logits and every grad within LLAMA_TOL."""
+    ref_out = ref(input_ids=x, labels=x)
+    ref_out.loss.backward()
+    eager_out = eager(input_ids=x, labels=x)
+    eager_out.loss.backward()
+    out = compiled(input_ids=x, labels=x)
+    out.loss.backward()
     _no_breaks(seen, what, collections.Counter(fw), collections.Counter(bw))
     _close(out.loss, ref_out.loss.detach(), f"{what}: loss vs unwrapped", LLAMA_TOL)
     _close(out.loss, eager_out.loss.detach(), f"{what}: loss vs eager TP", LLAMA_TOL)

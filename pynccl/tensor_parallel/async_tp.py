@@ -105,9 +105,28 @@ def _natural(gathered: torch.Tensor, local: torch.Tensor, seq_dim: int, n: int) 
     return whole
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, g):
-    """Start sending `send` to group rank `to` and receiving `recv` from `frm` (one NCCL group)."""
-    return batch_work([P2POp(isend, send, group=g, group_peer=to), P2POp(irecv, recv, group=g, group_peer=frm)])
+def _send_peer_chunks(partial, g) -> list:
+    """Start the ring exchange of the partial sums: step j computes partial((r + j) % n), this rank's
+    part of that peer's chunk, sends it there and receives rank r - j's part of this rank's chunk (one
+    NCCL group per step). NOTE: peers' chunks first, so what the caller computes next (its own chunk,
+    weight GEMMs) runs while they travel. Returns what add_received needs."""
+    n, r = g.world_size, g.group_rank
+    pending = []
+    for j in range(1, n):
+        part = partial((r + j) % n)
+        recv = torch.empty_like(part)
+        work = batch_work([P2POp(isend, part, group=g, group_peer=(r + j) % n),
+                           P2POp(irecv, recv, group=g, group_peer=(r - j) % n)])
+        pending.append((work, part, recv))
+    return pending
+
+
+def _add_received(own: torch.Tensor, pending: list) -> torch.Tensor:
+    """own + every peer's part of this rank's chunk, once each has arrived."""
+    for work, _, recv in pending:
+        work.wait()
+        own.add_(recv)
+    return own
 
 
 def _check_args(what: str, x: torch.Tensor, seq_dim: int, n: int, weights: Sequence[torch.Tensor], whole: bool):
@@ -177,20 +196,10 @@ def _gather_linears_backward(x_full: torch.Tensor, weights: List[torch.Tensor], 
             _mm_into(out, _chunk(gy, seq_dim, n, j), w, accumulate=grad_x_full is not None or k > 0)
         return out
 
-    # NOTE: every peer's chunk is computed and sent first, so the weight GEMMs and this rank's own
-    # chunk run while they travel (ring order: step j sends to r + j and receives from r - j).
-    pending = []
-    for j in range(1, n):
-        part = partial_grad_x((r + j) % n)
-        recv = torch.empty_like(part)
-        pending.append((_exchange(part, recv, (r + j) % n, (r - j) % n, g), part, recv))
+    pending = _send_peer_chunks(partial_grad_x, g)   # the weight GEMMs and our own chunk beside them
     x2 = x_full.reshape(-1, x_full.shape[-1])
     grad_ws = [gy.reshape(-1, gy.shape[-1]).t() @ x2 for gy in grad_ys]  # (out/tp, tokens) @ (tokens, h)
-    grad_x = partial_grad_x(r)
-    for work, _, recv in pending:
-        work.wait()
-        grad_x.add_(recv)
-    return [grad_x] + grad_ws
+    return [_add_received(partial_grad_x(r), pending)] + grad_ws
 
 
 def _gather_linears_backward_fake(x_full, weights, grad_ys, grad_x_full, seq_dim, group_size, group_name):
@@ -243,16 +252,8 @@ def _linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, seq_dim: int, 
         _mm_into(out, chunk, weight.t())
         return out
 
-    pending = []
-    for j in range(1, n):       # NOTE: peers' chunks first (ring order), then ours while they travel
-        part = partial((r + j) % n)
-        recv = torch.empty_like(part)
-        pending.append((_exchange(part, recv, (r + j) % n, (r - j) % n, g), part, recv))
-    out = partial(r)
-    for work, _, recv in pending:
-        work.wait()
-        out.add_(recv)
-    return out
+    pending = _send_peer_chunks(partial, g)
+    return _add_received(partial(r), pending)  # our own chunk computed while the peers' travel
 
 
 def _linear_reduce_scatter_fake(h, weight, seq_dim, group_size, group_name):

@@ -50,13 +50,21 @@ def sum_partial_outputs(y: torch.Tensor, bias: Optional[torch.Tensor], group, se
     else holds it): the all-reduce writes it in place."""
     if sequence_parallel:
         y = reduce_scatter_to_sequence_parallel_region(y, group, seq_dim)  # (.., s, ..) -> (.., s/tp, ..)
-        if bias is not None:  # the bias now meets only this rank's tokens: its grad is a partial sum
-            bias, = allreduce_grads_in_backward((bias,), group)
+        return _add_bias_to_shard(y, bias, group)
     elif bias is None and batch_overlap.deferring() and not torch.compiler.is_compiling():
         return batch_overlap.reduce_deferred(y, group)  # the sum completes beside the block's next chunk
     else:
         y = reduce_from_tensor_parallel_region(y, group, inplace=True)
     return y if bias is None else y + bias
+
+
+def _add_bias_to_shard(y: torch.Tensor, bias: Optional[torch.Tensor], group) -> torch.Tensor:
+    """y, this rank's sequence shard of a summed output, plus the whole bias. The bias now meets only
+    this rank's tokens, so its gradient is a partial sum: summed over the group in backward."""
+    if bias is None:
+        return y
+    bias, = allreduce_grads_in_backward((bias,), group)
+    return y + bias
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, group=None,
@@ -74,10 +82,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
         x = scatter_to_tensor_parallel_region(x, group)  # (.., in) -> (.., in/tp)
     if sequence_parallel and overlap_gemm:
         y = async_tp.linear_reduce_scatter(x, weight, group, seq_dim)  # (.., s, .., in/tp) -> (.., s/tp, .., out)
-        if bias is None:
-            return y
-        bias, = allreduce_grads_in_backward((bias,), group)  # as sum_partial_outputs: a partial sum's grad
-        return y + bias
+        return _add_bias_to_shard(y, bias, group)
     y = F.linear(x, weight)  # (.., in/tp) @ (in/tp, out) -> (.., out), a partial sum
     return sum_partial_outputs(y, bias, group, sequence_parallel, seq_dim)
 
