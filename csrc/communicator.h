@@ -225,6 +225,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   bool blocking() const { return options_.blocking; }
   int cta_policy() const { return options_.cta_policy; }  // in effect: 2 = ZERO (copy engines), -1 = NCCL's default
   const char* on_timeout() const { return options_.raise_on_timeout ? "raise" : "teardown"; }
+  // `waiter` runs what is enqueued on it next only after everything already queued on
+  // `producer` (an event of the pool, recorded and waited on; graph-capturable).
+  void order_after(cudaStream_t waiter, cudaStream_t producer);
   std::optional<std::string> get_async_error();
   void check();    // throws the stored error, or the comm's async error
   std::vector<FlightEntry> flight_record() const;  // oldest first
@@ -234,9 +237,6 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   friend class Work;
 
   void start();  // stream, event pool, flight recorder, watchdog
-  // `waiter` runs what is enqueued on it next only after everything already queued on
-  // `producer` (an event of the pool, recorded and waited on; graph-capturable).
-  void order_after(cudaStream_t waiter, cudaStream_t producer);
   // Stops the watchdog of a constructor that throws (the destructor does not run then).
   void stop_on_throw() noexcept;
   std::shared_ptr<Work> all_reduce_impl(const char* fn, const at::Tensor& tensor, int op, bool async_op,

@@ -1,4 +1,4 @@
-// Sequence-parallel TP's collective matmuls on NCCL (pynccl/tensor_parallel/async_tp.py's ops):
+// TP's collective matmuls on NCCL (pynccl/tensor_parallel/async_tp.py's and async_tp_allreduce.py's ops):
 // the same decomposition as the Python reference there, one C++ call per op. The Python one paid
 // ~20 µs of host per launch on 2×H200's hosts, twice the launches of the plain path, and a
 // compiled Llama 1.1B step became host-bound (RESULTS, tensor parallelism, session 19).
@@ -7,12 +7,16 @@
 // collectives on the communicator's (Work::wait joins them); chunk views of [b, s, h] tensors are
 // strided and go through bmm with the batch stride as it is (no copy).
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <optional>
 #include <tuple>
 #include <vector>
 
+#include "check.h"
 #include "communicator.h"
+#include "dtypes.h"
 #include "tp_overlap.h"
 #include "work.h"
 
@@ -78,6 +82,35 @@ at::Tensor natural(const at::Tensor& gathered, const at::Tensor& local, int64_t 
   const auto pieces = gathered.chunk(n, 0);
   for (int64_t j = 0; j < n; ++j) seq_chunk(whole, seq_dim, n, j).copy_(pieces[j]);
   return whole;
+}
+
+// Where a sum to be all-reduced is computed: a view of the symmetric window `scratch` (NCCL's
+// symmetric kernels, a few CTAs) or, without one, the output itself.
+at::Tensor sum_buffer(const std::optional<at::Tensor>& scratch, const at::Tensor& out, const char* fn) {
+  if (!scratch.has_value()) return out;
+  const int64_t nbytes = out.numel() * static_cast<int64_t>(out.element_size());
+  PYNCCL_CHECK_VALUE(scratch->scalar_type() == at::kByte && scratch->dim() == 1 && scratch->numel() >= nbytes, fn,
+                     ": scratch must be a 1-D uint8 window of at least ", nbytes, " bytes, got ", scratch->dim(),
+                     "-D with ", scratch->numel(), " elements of ", std::string(c10::toString(scratch->scalar_type())));
+  return scratch->narrow(0, 0, nbytes).view(out.scalar_type()).view(out.sizes());
+}
+
+// The all-reduced sum in `buf` into `out` (a no-op where buf is out): copied on the comm stream after
+// the all-reduces queued there, then the caller's stream waits for the copy.
+void finish_sums(Communicator& comm, const std::vector<std::shared_ptr<Work>>& works, const at::Tensor& buf,
+                 at::Tensor& out) {
+  if (buf.data_ptr() == out.data_ptr()) {
+    for (const auto& work : works) work->wait(std::nullopt);
+    return;
+  }
+  const auto device = static_cast<c10::DeviceIndex>(comm.device());
+  const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device).stream();
+  const cudaStream_t comm_stream = reinterpret_cast<cudaStream_t>(comm.stream_handle());
+  {
+    const c10::cuda::CUDAStreamGuard on_comm(c10::cuda::getStreamFromExternal(comm_stream, device));
+    out.copy_(buf);  // NOTE: out is the caller's (allocated on its stream, which waits below before any use)
+  }
+  comm.order_after(caller, comm_stream);
 }
 
 using Exchange = std::tuple<std::shared_ptr<Work>, at::Tensor, at::Tensor>;  // (work, sent, received)
@@ -177,6 +210,46 @@ std::vector<at::Tensor> tp_linear_reduce_scatter_backward(Communicator& comm, co
   const at::Tensor grad_full = natural(gathered, go, seq_dim, n);
   at::Tensor grad_w = at::mm(grad_full.reshape({-1, grad_full.size(-1)}).t(), h.reshape({-1, h.size(-1)}));
   return {grad_h, grad_w};
+}
+
+std::vector<at::Tensor> tp_linears_all_reduce_backward(Communicator& comm, const at::Tensor& x,
+                                                       const std::vector<at::Tensor>& weights,
+                                                       const std::vector<at::Tensor>& grad_ys,
+                                                       const std::optional<at::Tensor>& grad_x,
+                                                       const std::optional<at::Tensor>& scratch) {
+  at::Tensor grad = at::empty(x.sizes(), x.options());
+  at::Tensor sum = sum_buffer(scratch, grad, "tp_linears_all_reduce_backward");
+  if (grad_x.has_value()) sum.copy_(*grad_x);
+  for (size_t i = 0; i < weights.size(); ++i) {  // (.., out_i/tp) @ (out_i/tp, h): this rank's part of the sum
+    mm_into(sum, grad_ys[i].contiguous(), weights[i], grad_x.has_value() || i > 0);
+  }
+  std::vector<std::shared_ptr<Work>> works{comm.all_reduce(sum, static_cast<int>(ReduceOp::kSum), true, 1.0)};
+  std::vector<at::Tensor> out{grad};
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  for (const auto& gy : grad_ys) out.push_back(at::mm(gy.reshape({-1, gy.size(-1)}).t(), x2));  // beside it
+  finish_sums(comm, works, sum, out[0]);
+  return out;
+}
+
+at::Tensor tp_linear_all_reduce(Communicator& comm, const at::Tensor& h, const at::Tensor& weight, int64_t chunks,
+                                const std::optional<at::Tensor>& scratch) {
+  PYNCCL_CHECK_VALUE(chunks >= 1, "tp_linear_all_reduce: chunks must be >= 1, got ", chunks);
+  std::vector<int64_t> shape(h.sizes().begin(), h.sizes().end());
+  shape.back() = weight.size(0);
+  at::Tensor out = at::empty(shape, h.options());
+  const at::Tensor sum = sum_buffer(scratch, out, "tp_linear_all_reduce").view({-1, weight.size(0)});
+  const at::Tensor h2 = h.reshape({-1, h.size(-1)});
+  const at::Tensor wt = weight.t();
+  const int64_t rows = h2.size(0), k = std::max<int64_t>(1, std::min(chunks, rows));
+  std::vector<std::shared_ptr<Work>> works;
+  for (int64_t c = 0; c < k; ++c) {  // the same slices as async_tp_allreduce.row_slices
+    const int64_t lo = c * rows / k, n = (c + 1) * rows / k - lo;
+    at::Tensor piece = sum.narrow(0, lo, n);
+    at::mm_out(piece, h2.narrow(0, lo, n), wt);
+    works.push_back(comm.all_reduce(piece, static_cast<int>(ReduceOp::kSum), true, 1.0));  // beside the next slice
+  }
+  finish_sums(comm, works, sum.view(out.sizes()), out);
+  return out;
 }
 
 }  // namespace pynccl

@@ -1,5 +1,7 @@
-// Sequence-parallel TP's collective matmuls on NCCL (tp_overlap.cpp): all-gather overlapped with the
+// TP's collective matmuls on NCCL (tp_overlap.cpp). Sequence parallel: all-gather overlapped with the
 // GEMMs of this rank's own sequence chunk, and GEMM partials sent to their peers as they are made.
+// Without it: the input gradient's all-reduce beside the weight GEMMs, and a row-parallel GEMM's
+// all-reduce pipelined over token slices.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,5 +27,18 @@ at::Tensor tp_linear_reduce_scatter(Communicator& comm, const at::Tensor& h, con
 std::vector<at::Tensor> tp_linear_reduce_scatter_backward(Communicator& comm, const at::Tensor& grad_out,
                                                           const at::Tensor& h, const at::Tensor& weight,
                                                           int64_t seq_dim);
+
+
+// [sum over ranks of (grad_x + sum_i grad_y_i @ w_i), grad_y_i^T @ x for each i]. scratch: a
+// symmetric window (uint8, at least x's bytes) the sum is computed and reduced in, or none.
+std::vector<at::Tensor> tp_linears_all_reduce_backward(Communicator& comm, const at::Tensor& x,
+                                                       const std::vector<at::Tensor>& weights,
+                                                       const std::vector<at::Tensor>& grad_ys,
+                                                       const std::optional<at::Tensor>& grad_x,
+                                                       const std::optional<at::Tensor>& scratch);
+// sum over ranks of h @ weight^T, in `chunks` token slices, each slice's all-reduce started when it is
+// computed. scratch: as above (at least the output's bytes).
+at::Tensor tp_linear_all_reduce(Communicator& comm, const at::Tensor& h, const at::Tensor& weight, int64_t chunks,
+                                const std::optional<at::Tensor>& scratch);
 
 }  // namespace pynccl

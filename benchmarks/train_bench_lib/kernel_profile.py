@@ -77,7 +77,21 @@ def profile_and_print(trainer, ctx, label: str) -> Dict[str, float]:
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
     stats = summarize(kernels, PROFILED_STEPS, start.elapsed_time(end))
+    dump = getattr(ctx.args, "profile_dump", None)
+    if dump and ctx.rank == 0:
+        _dump(prof, f"{dump}.{re.sub(r'[^A-Za-z0-9]+', '_', label)}.jsonl")
     if ctx.rank == 0:
         cells = " ".join(f"{k} {v:.2f}" for k, v in stats.items())
         print(f"# profile {label} (rank 0, ms per step): {cells}", flush=True)
     return stats
+
+
+def _dump(prof, path: str) -> None:
+    """Every CUDA kernel and copy of the profiled steps, one JSON object a line: for reading a
+    timeline offline (which kernels ran beside which, where the GPU sat idle)."""
+    import json
+    with open(path, "w") as f:
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+                f.write(json.dumps({"name": e.name, "stream": getattr(e, "device_resource_id", -1),
+                                    "start": e.time_range.start, "end": e.time_range.end}) + "\n")

@@ -129,6 +129,13 @@ def _add_received(own: torch.Tensor, pending: list) -> torch.Tensor:
     return own
 
 
+def dense_grads(grad_ys, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The readers' output gradients as the backward ops take them: zeros where autograd passed None
+    (an output nobody used), shaped x @ w^T."""
+    return [torch.zeros(x.shape[:-1] + (w.shape[0],), dtype=x.dtype, device=x.device) if gy is None else gy
+            for gy, w in zip(grad_ys, weights)]
+
+
 def _check_args(what: str, x: torch.Tensor, seq_dim: int, n: int, weights: Sequence[torch.Tensor], whole: bool):
     if x.dim() < 2 or not 0 <= seq_dim < x.dim() - 1:
         raise ValueError(f"pynccl::{what}: seq_dim {seq_dim} must name a dim before the last of the input "
@@ -230,9 +237,8 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x_full, *grad_ys):
         x_full, *weights = ctx.saved_tensors
-        grad_ys = [torch.zeros(x_full.shape[:-1] + (w.shape[0],), dtype=x_full.dtype, device=x_full.device)
-                   if gy is None else gy for gy, w in zip(grad_ys, weights)]
-        grads = gather_linears_backward_op(x_full, weights, grad_ys, grad_x_full, *ctx.args)
+        grads = gather_linears_backward_op(x_full, weights, dense_grads(grad_ys, x_full, weights), grad_x_full,
+                                           *ctx.args)
         return (grads[0], None, None, None, *grads[1:])
 
 

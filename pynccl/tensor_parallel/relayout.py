@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import distributed as dist
-from . import async_tp, batch_overlap, grad_overlap
+from . import async_tp, async_tp_allreduce, batch_overlap, grad_overlap
 from .comm import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                    scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
 from .plan import GRAD_REDUCED_BY, STYLE_ATTR, ParallelStyle, is_sequence_dim, layout_of
@@ -81,7 +81,7 @@ class PrepareModuleInput(ParallelStyle):
             # whole here: each reader's weight alias belongs to that input. Never looked at while
             # traced: filling `readers` inside a compiled region would recompile it on the next call.
             overlap, gemm_readers = [], ()
-            if overlap_gemm and self._wholes(args, kwargs) == 1 and self._gathers_sequence():
+            if overlap_gemm and self._wholes(args, kwargs) == 1:
                 # NOTE: found on every call (traced too: a pure walk of the module tree, no state kept).
                 gemm_readers = tuple(m for m in _colwise_readers(mod) if getattr(m, STYLE_ATTR).input_layout.is_replicate())
             elif not torch.compiler.is_compiling() and grad_overlap.enabled():
@@ -132,11 +132,6 @@ class PrepareModuleInput(ParallelStyle):
             return None
         return k, key
 
-    def _gathers_sequence(self) -> bool:
-        """Whether a layout here all-gathers a sequence shard (async_tp's case; else grad_overlap's)."""
-        return any(src is not None and dst is not None and src.is_shard() and dst.is_replicate()
-                   for src, dst in self.arg_layouts + list(self.kwarg_layouts.values()))
-
     def _wholes(self, args, kwargs) -> int:
         """How many tensors this call makes whole (desired Replicate())."""
         pairs = [(a, layouts) for a, layouts in zip(args, self.arg_layouts)]
@@ -152,8 +147,10 @@ def _colwise_readers(module: nn.Module) -> list:
 
 
 def _relayout(x, src, dst, group, readers=(), gemm_readers=()):
-    """readers: grad_overlap's (eager, opt-in); gemm_readers: async_tp's, whose outputs the
-    all-gather of a sequence shard computes beside itself."""
+    """readers: grad_overlap's (eager, opt-in); gemm_readers: async TP's (PYNCCL_TP_ASYNC=1), whose
+    outputs are computed here, beside the all-gather of a sequence shard (async_tp.py), or, for a
+    replicated x, in one node whose backward overlaps x's gradient all-reduce with their weight
+    GEMMs (async_tp_allreduce.py)."""
     if src is None or dst is None or not isinstance(x, torch.Tensor) or dist.get_world_size(group) == 1:
         return x
     if dst.is_replicate():
@@ -168,6 +165,9 @@ def _relayout(x, src, dst, group, readers=(), gemm_readers=()):
         gemm_readers = [(m, w) for m, w in gemm_readers if w.dim() == 2 and w.shape[1] == x.shape[-1]]
         if seq_dim is not None and gemm_readers:
             x, ys = async_tp.gather_linears(x, [w for _, w in gemm_readers], group, seq_dim)  # (b, s/tp, h) -> (b, s, h)
+            async_tp.attach_precomputed(x, [m for m, _ in gemm_readers], ys)
+        elif gemm_readers:    # x replicated: its gradient's all-reduce beside the readers' weight GEMMs
+            x, ys = async_tp_allreduce.linears(x, [w for _, w in gemm_readers], group)
             async_tp.attach_precomputed(x, [m for m, _ in gemm_readers], ys)
         elif whole is not None:
             x = whole

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import distributed as dist
-from . import async_tp, batch_overlap
+from . import async_tp, async_tp_allreduce, batch_overlap
 from .comm import (allreduce_grads_in_backward, gather_from_tensor_parallel_region, linear_with_tensor_parallel_input,
                    reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
                    scatter_to_tensor_parallel_region)
@@ -29,14 +29,17 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     rank's shard of the sequence dim `seq_dim`, all-gathered here (its gradient reduce-scattered).
     gather_output: all-gather the output features. input_grad_summed: X was made whole upstream by
     a re-layout that also sums its gradient (PrepareModuleInput), so nothing is reduced here.
-    overlap_gemm (with sequence_parallel): the all-gather overlapped with this rank's own chunk's
-    GEMM (async_tp.py).
+    overlap_gemm: the all-gather overlapped with this rank's own chunk's GEMM (sequence_parallel,
+    async_tp.py), or X's gradient all-reduce with the weight GEMM (async_tp_allreduce.py).
     Also the tied LM head: W = the vocabulary-parallel embedding's weight gives this rank's
     vocabulary slice of the logits."""
     if input_grad_summed:
         y = F.linear(x, weight, bias)  # (.., in) @ (in, out/tp) -> (.., out/tp)
-    elif sequence_parallel and overlap_gemm and dist.get_world_size(group) > 1:
-        _, (y,) = async_tp.gather_linears(x, [weight], group, seq_dim)  # (.., s/tp, .., in) -> (.., s, .., out/tp)
+    elif overlap_gemm and dist.get_world_size(group) > 1:
+        if sequence_parallel:
+            _, (y,) = async_tp.gather_linears(x, [weight], group, seq_dim)  # (.., s/tp, .., in) -> (.., s, .., out/tp)
+        else:        # x's gradient all-reduced beside the weight GEMM, traced too
+            _, (y,) = async_tp_allreduce.linears(x, [weight], group)  # (.., in) -> (.., out/tp)
         y = y if bias is None else y + bias.to(y.dtype)  # F.linear's dtype under autocast
     else:
         y = linear_with_tensor_parallel_input(x, weight, bias, group, sequence_parallel, seq_dim)  # -> (.., out/tp)
@@ -69,13 +72,14 @@ def _add_bias_to_shard(y: torch.Tensor, bias: Optional[torch.Tensor], group) -> 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, group=None,
                         input_is_parallel: bool = True, sequence_parallel: bool = False,
-                        seq_dim: int = 0, overlap_gemm: bool = False) -> torch.Tensor:
+                        seq_dim: int = 0, overlap_gemm: bool = False, all_reduce_slices: int = 0) -> torch.Tensor:
     """Y = sum_r X_r W_r^T + b, W_r this rank's columns of W (out, in/tp). X is this rank's slice
     of the input features, or the whole input with input_is_parallel=False (sliced here). The
     partial products are summed by sum_partial_outputs (with sequence_parallel, into this rank's
-    shard of dim seq_dim) and the bias is added once, after the sum. overlap_gemm (with
-    sequence_parallel): each peer's chunk of the product is sent as soon as it is computed
-    (async_tp.py)."""
+    shard of dim seq_dim) and the bias is added once, after the sum. overlap_gemm: with
+    sequence_parallel each peer's chunk of the product is sent as soon as it is computed
+    (async_tp.py); without, with all_reduce_slices > 0, the GEMM runs in that many token slices,
+    each slice's all-reduce beside the next slice's GEMM (async_tp_allreduce.py)."""
     if dist.get_world_size(group) == 1:
         return F.linear(x, weight, bias)  # nothing to reduce: keep the fused bias epilogue
     if not input_is_parallel:
@@ -83,6 +87,9 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if sequence_parallel and overlap_gemm:
         y = async_tp.linear_reduce_scatter(x, weight, group, seq_dim)  # (.., s, .., in/tp) -> (.., s/tp, .., out)
         return _add_bias_to_shard(y, bias, group)
+    if overlap_gemm and all_reduce_slices > 0:
+        y = async_tp_allreduce.linear_all_reduce(x, weight, group, all_reduce_slices)  # (.., in/tp) -> (.., out)
+        return y if bias is None else y + bias.to(y.dtype)
     y = F.linear(x, weight)  # (.., in/tp) @ (in/tp, out) -> (.., out), a partial sum
     return sum_partial_outputs(y, bias, group, sequence_parallel, seq_dim)
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import distributed as dist
-from . import async_tp, grad_overlap
+from . import async_tp, async_tp_allreduce, grad_overlap
 from .comm import allreduce_grads_in_backward, gather_from_tensor_parallel_region
 from .plan import ParallelStyle, Replicate, Shard, grad_reduced_upstream, install_shards, layout_of, set_forward
 from .sharded_ops import column_parallel_linear, row_parallel_linear, vocab_parallel_embedding
@@ -126,6 +126,7 @@ class RowwiseParallel(ParallelStyle):
         sequence_parallel = self.output_layout.is_shard()
         seq_dim = self.output_layout.dim if sequence_parallel else 0
         overlap_gemm = async_tp.enabled()
+        slices = async_tp_allreduce.chunks_requested() if overlap_gemm and not sequence_parallel else 0
         if isinstance(module, nn.Embedding):
             start = dist.get_rank(group) * (module.num_embeddings // dist.get_world_size(group))
 
@@ -137,7 +138,8 @@ class RowwiseParallel(ParallelStyle):
 
             def forward(mod, x):  # (.., in/tp), or (.., in) sliced here -> (.., out), or (b, s/tp, out)
                 return row_parallel_linear(x, mod.weight.t() if conv1d else mod.weight, getattr(mod, "bias", None),
-                                           group, input_is_parallel, sequence_parallel, seq_dim, overlap_gemm)
+                                           group, input_is_parallel, sequence_parallel, seq_dim, overlap_gemm,
+                                           slices)
 
         set_forward(module, self, forward)
 

@@ -1,0 +1,216 @@
+"""Tensor parallelism without sequence parallelism, with its all-reduces overlapped with GEMMs
+(opt-in, PYNCCL_TP_ASYNC=1 as async_tp.py; eager and torch.compile alike):
+
+* linears, then the input gradient's all-reduce (a block input read by column-parallel
+  projections, or one ColwiseParallel layer with a replicated input): in backward the input
+  gradient's partial sum, sum_i grad_y_i @ w_i, is computed first and its all-reduce starts at
+  once; the weight GEMMs grad_y_i^T @ x run beside it (Megatron's async input-gradient all-reduce,
+  here for q, k and v together, or gate and up together, in one op).
+* linear, then all-reduce (a row-parallel projection with a replicated output): the GEMM runs in
+  `chunks` slices of the tokens, each slice's all-reduce started as soon as it is computed, so
+  every all-reduce but the last runs beside the next slice's GEMM.
+
+Where the group has NCCL symmetric memory (comm/symmetric.py) the all-reduced sums are computed
+into one symmetric window per group and reduced there, so NCCL runs its symmetric kernels (a few
+CTAs, not one per channel: the GEMMs beside them keep their SMs), then copied out on the comm
+stream. Ops (opaque to dynamo and inductor; on NCCL the body is C++, csrc/tp_overlap.cpp):
+
+    pynccl::tp_linears_all_reduce_backward(Tensor x, Tensor[] weights, Tensor[] grad_ys, Tensor? grad_x,
+                                           int group_size, str group_name) -> Tensor[]
+        [sum over ranks of (grad_x + sum_i grad_y_i @ w_i), grad_y_i^T @ x for each i]
+    pynccl::tp_linear_all_reduce(Tensor h, Tensor weight, int chunks, int group_size, str group_name)
+        -> Tensor     sum over ranks of h @ weight^T
+
+Bias-free, as async_tp.py's: callers add a bias after (whole, once).
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..comm import collectives
+from ..comm.functional_collectives import _checked_group, define_op
+from ..comm.groups import resolve_group
+from ..comm.symmetric import alloc_symmetric
+from .async_tp import _compute_dtype, _mm_into, _native, dense_grads
+
+DEFAULT_CHUNKS = 0   # RESULTS, session 20: the sliced forward measured slower on 2xH200
+
+
+def chunks_requested() -> int:
+    """PYNCCL_TP_ASYNC_CHUNKS (default 0): the token slices of a row-parallel GEMM whose all-reduces
+    are pipelined with it; 0: that all-reduce is left whole, after the GEMM (the plain path), and
+    only the backward overlap acts."""
+    value = os.environ.get("PYNCCL_TP_ASYNC_CHUNKS", str(DEFAULT_CHUNKS))
+    if not value.isdigit():
+        raise ValueError(f"PYNCCL_TP_ASYNC_CHUNKS must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def row_slices(rows: int, chunks: int) -> List[tuple]:
+    """(first row, rows) of each of min(chunks, rows) slices, as even as integers allow (the C++
+    body slices the same way)."""
+    k = max(1, min(chunks, rows))
+    return [(c * rows // k, (c + 1) * rows // k - c * rows // k) for c in range(k)]
+
+
+# ------------------------------------------------------------------------ symmetric scratch
+_SCRATCH_ATTR = "_pynccl_tp_all_reduce_scratch"   # on the group: [window tensor or None, unavailable]
+
+
+def _scratch(g, nbytes: int) -> Optional[torch.Tensor]:
+    """A symmetric window of at least nbytes for g's all-reduced sums, or None (no symmetric memory
+    on g, or PYNCCL_SYMMETRIC=0). Collective when it (re)allocates: every rank runs the same ops in
+    the same order, so every rank asks for the same sizes at the same calls.
+    NOTE: one window per group serves every op: each op's sum is copied out before the op returns
+    (on the comm stream, which the caller's stream waits for), so the next op may reuse it."""
+    state = getattr(g, _SCRATCH_ATTR, None)
+    if state is None:
+        state = [None, False]
+        setattr(g, _SCRATCH_ATTR, state)
+    if state[1]:
+        return None
+    if state[0] is None or state[0].numel() < nbytes:
+        bufs = alloc_symmetric(g, [(nbytes, torch.uint8)])
+        if bufs is None:
+            state[:] = [None, True]
+            return None
+        state[0] = bufs[0]
+    return state[0]
+
+
+def _nbytes(shape, dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+# --------------------------------------------------- linears, then the input grad's all-reduce
+def _linears_all_reduce_backward(x: torch.Tensor, weights: List[torch.Tensor], grad_ys: List[torch.Tensor],
+                                 grad_x: Optional[torch.Tensor], group_size: int,
+                                 group_name: str) -> List[torch.Tensor]:
+    g = _checked_group(group_name, group_size)
+    _check_weights("tp_linears_all_reduce_backward", x, weights)
+    native = _native(g, "tp_linears_all_reduce_backward")
+    if native is not None:
+        return native(x, list(weights), list(grad_ys), grad_x, _scratch(g, _nbytes(x.shape, x.dtype)))
+    partial = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if grad_x is not None:
+        partial.copy_(grad_x)
+    for i, (gy, w) in enumerate(zip(grad_ys, weights)):
+        _mm_into(partial, gy.contiguous(), w, accumulate=grad_x is not None or i > 0)  # (.., out_i/tp) @ (out_i/tp, h)
+    work = collectives.all_reduce(partial, group=g, async_op=True)
+    x2 = x.reshape(-1, x.shape[-1])
+    grad_ws = [gy.reshape(-1, gy.shape[-1]).t() @ x2 for gy in grad_ys]  # beside the all-reduce
+    work.wait()
+    return [partial] + grad_ws
+
+
+def _linears_all_reduce_backward_fake(x, weights, grad_ys, grad_x, group_size, group_name):
+    # NOTE: contiguous, as the mm results: a weight may come in transposed (Conv1D's w.t())
+    return [torch.empty_like(x, memory_format=torch.contiguous_format)] + [w.new_empty(w.shape) for w in weights]
+
+
+linears_all_reduce_backward_op = define_op(
+    "tp_linears_all_reduce_backward(Tensor x, Tensor[] weights, Tensor[] grad_ys, Tensor? grad_x, int group_size, "
+    "str group_name) -> Tensor[]", _linears_all_reduce_backward, _linears_all_reduce_backward_fake)
+
+
+class _Linears(torch.autograd.Function):
+    """(x, *[x @ w^T for w in weights]); backward: tp_linears_all_reduce_backward (x's gradient
+    summed over the group, overlapped with the weight GEMMs)."""
+
+    @staticmethod
+    def forward(ctx, x, group_size, group_name, *weights):
+        ctx.save_for_backward(x, *weights)
+        ctx.args = (group_size, group_name)
+        return (x.view_as(x),) + tuple(F.linear(x, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, grad_x, *grad_ys):
+        x, *weights = ctx.saved_tensors
+        grads = linears_all_reduce_backward_op(x, weights, dense_grads(grad_ys, x, weights), grad_x, *ctx.args)
+        return (grads[0], None, None, *grads[1:])
+
+
+# -------------------------------------------------------------------- linear, then all-reduce
+def _linear_all_reduce(h: torch.Tensor, weight: torch.Tensor, chunks: int, group_size: int,
+                       group_name: str) -> torch.Tensor:
+    g = _checked_group(group_name, group_size)
+    _check_weights("tp_linear_all_reduce", h, [weight])
+    if chunks < 1:
+        raise ValueError(f"pynccl::tp_linear_all_reduce: chunks must be >= 1, got {chunks}")
+    out_shape = tuple(h.shape[:-1]) + (weight.shape[0],)
+    native = _native(g, "tp_linear_all_reduce")
+    if native is not None:
+        return native(h, weight, chunks, _scratch(g, _nbytes(out_shape, h.dtype)))
+    h2 = h.reshape(-1, h.shape[-1])
+    out = h.new_empty(out_shape)
+    out2 = out.view(-1, out.shape[-1])
+    works = []
+    for lo, n in row_slices(h2.shape[0], chunks):
+        piece = out2.narrow(0, lo, n)
+        torch.mm(h2.narrow(0, lo, n), weight.t(), out=piece)             # this slice's partial product
+        works.append(collectives.all_reduce(piece, group=g, async_op=True))  # summed beside the next slice
+    for work in works:
+        work.wait()
+    return out
+
+
+def _linear_all_reduce_fake(h, weight, chunks, group_size, group_name):
+    return h.new_empty(tuple(h.shape[:-1]) + (weight.shape[0],))
+
+
+linear_all_reduce_op = define_op(
+    "tp_linear_all_reduce(Tensor h, Tensor weight, int chunks, int group_size, str group_name) -> Tensor",
+    _linear_all_reduce, _linear_all_reduce_fake)
+
+
+class _LinearAllReduce(torch.autograd.Function):
+    """tp_linear_all_reduce(h, weight); backward: the output's gradient is whole on every rank, so
+    this rank's gradients need no collective (grad_out @ w, grad_out^T @ h)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, chunks, group_size, group_name):
+        ctx.save_for_backward(h, weight)
+        return linear_all_reduce_op(h, weight, chunks, group_size, group_name)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight = ctx.saved_tensors
+        grad_h = grad_out @ weight                                                    # (.., out) @ (out, in/tp)
+        grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ h.reshape(-1, h.shape[-1])  # (out, in/tp)
+        return grad_h, grad_w, None, None, None
+
+
+# -------------------------------------------------------------------- what the styles call
+def _check_weights(what: str, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+    if x.dim() < 1:
+        raise ValueError(f"pynccl::{what}: the input must have a feature dim, got shape {tuple(x.shape)}")
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != x.shape[-1] or w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"pynccl::{what}: each weight must be (out, {x.shape[-1]}) of {x.dtype} on {x.device}; "
+                             f"got {tuple(w.shape)} of {w.dtype} on {w.device}")
+
+
+def linears(x: torch.Tensor, weights: Sequence[torch.Tensor], group):
+    """(x, [x @ w^T for w in weights]) where x is replicated over the group: x's gradient (from the
+    outputs and from x itself) is summed over the group in backward, that all-reduce overlapped with
+    the weight-gradient GEMMs. Under autocast the inputs are cast as F.linear would cast them."""
+    dtype = _compute_dtype(x, weights)
+    g = resolve_group(group)
+    out = _Linears.apply(x.to(dtype), g.world_size, g.name, *[w.to(dtype) for w in weights])
+    # NOTE: a view, free: callers tag it (GRAD_REDUCED_BY, attach_precomputed); see async_tp.gather_linears
+    return out[0].view_as(out[0]), out[1:]
+
+
+def linear_all_reduce(h: torch.Tensor, weight: torch.Tensor, group, chunks: int) -> torch.Tensor:
+    """sum over the group of h @ weight^T (every rank's partial product), each of `chunks` token
+    slices' all-reduce beside the next slice's GEMM."""
+    dtype = _compute_dtype(h, [weight])
+    g = resolve_group(group)
+    return _LinearAllReduce.apply(h.to(dtype), weight.to(dtype), chunks, g.world_size, g.name)
