@@ -119,10 +119,12 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="GPU: after each run's timed steps, two profiled steps; rank 0 prints its GPU time by kernel "
                         "category (train_bench_lib/kernel_profile.py)")
-    p.add_argument("--profile-dump", help="with --profile: rank 0 writes its profiled kernels here (JSON lines: "
+    p.add_argument("--profile-dump", help="needs --profile: rank 0 writes its profiled kernels here (JSON lines: "
                                           "name, stream, start and end in µs), one file per run (the run's label added)")
     p.add_argument("--plot", help="draw tokens/s per strategy here (PNG; rank 0)")
     args = p.parse_args(argv)
+    if args.profile_dump and not args.profile:
+        p.error("--profile-dump needs --profile (the dump is of the profiled steps)")
     for key, value in DEFAULTS[args.model].items():
         if getattr(args, key) is None:
             setattr(args, key, value)

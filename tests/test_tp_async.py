@@ -171,7 +171,7 @@ def _plan_case(rank, world):
         rerun = LAYERS * 2 if ckpt else 0   # checkpointed layers run their forward again in backward
         assert seen.calls == {"gather_linears": gathers + rerun, "linear_reduce_scatter": scatters + rerun}, \
             f"{what}: {dict(seen.calls)}"
-    _autocast_case(group)
+    autocast_case(group)
     _other_readers_case(group)
     # the switch is read when the plan is applied
     os.environ["PYNCCL_TP_ASYNC"] = "2"
@@ -184,10 +184,11 @@ def _plan_case(rank, world):
     return True
 
 
-def _autocast_case(group):
+def autocast_case(group, sequence_parallel=True):
     """Under bf16 autocast the outputs have the plain path's dtypes (a biased reader's output is
     F.linear's bf16, not promoted by an fp32 bias) and the loss agrees within bf16's rounding of the
-    model's reduction chain (the overlap gathers and sums x's gradient in bf16, the plain path in fp32)."""
+    model's reduction chain (the overlap gathers and sums x's gradient in bf16, the plain path in fp32).
+    Also tests/test_tp_async_allreduce.py's, without sequence parallelism."""
     config = gpt2_config(use_cache=False)
     torch.manual_seed(0)
     ref = transformers.GPT2LMHeadModel(config)
@@ -196,7 +197,7 @@ def _autocast_case(group):
     for flag in ("0", "1"):
         os.environ["PYNCCL_TP_ASYNC"] = flag
         try:
-            par = tp.parallelize_module(copy.deepcopy(ref), group, tp.plans.gpt2(sequence_parallel=True))
+            par = tp.parallelize_module(copy.deepcopy(ref), group, tp.plans.gpt2(sequence_parallel=sequence_parallel))
         finally:
             os.environ.pop("PYNCCL_TP_ASYNC", None)
         seen = {}

@@ -33,6 +33,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_tp_plan import check_plan, gpt2_config, llama_config  # noqa: E402
 from test_tp_compile import _compiled, llama_compiled_equals_eager  # noqa: E402
+from test_tp_async import autocast_case  # noqa: E402
 
 LAYERS = llama_config().num_hidden_layers
 
@@ -84,10 +85,29 @@ def _ops_case(rank, world):
             (out * grad_out).sum().backward()
             _within(h.grad, grad_out @ ws[rank], f"{what}, {chunks} slices: grad of h", 8)
             _within(w.grad, grad_out.reshape(-1, 8).t() @ hs[rank].reshape(-1, 6), f"{what}: grad of w", rows)
+    _unused_and_frozen_case(group, world, rank)
     assert ar.row_slices(10, 4) == [(0, 2), (2, 3), (5, 2), (7, 3)] and ar.row_slices(2, 5) == [(0, 1), (1, 1)]
     _opcheck_case(group)
     _error_case(group)
     return True
+
+
+def _unused_and_frozen_case(group, world, rank):
+    """An output nobody reads and x itself unread downstream: their gradients stay None (no zeros
+    made and summed), and x's gradient is still every rank's sum. A frozen weight: worth_it sends
+    the call to the plain path."""
+    x_whole = _seeded((3, 8), 600)
+    weights = [[_seeded((5, 8), 610 + 10 * k + i) for i in range(2)] for k in range(world)]
+    grads = [_seeded((3, 5), 700 + k) for k in range(world)]
+    x = x_whole.clone().requires_grad_()
+    ws = [w.clone().requires_grad_() for w in weights[rank]]
+    _, ys = ar.linears(x, ws, group)
+    (ys[1] * grads[rank]).sum().backward()          # output 0 and x_out unused
+    _within(x.grad, sum(g @ w[1] for g, w in zip(grads, weights)), "unused outputs: grad of x", 5 * world)
+    assert ws[0].grad is None or not ws[0].grad.any(), "unused output 0: a weight gradient"
+    assert ar.worth_it(x, ws) and not ar.worth_it(x, [ws[0], ws[1].detach()]) and not ar.worth_it(x.detach(), ws)
+    with torch.no_grad():
+        assert not ar.worth_it(x, ws)
 
 
 def _opcheck_case(group):
@@ -115,6 +135,8 @@ def _error_case(group):
     with pytest.raises(ValueError, match=r"each weight must be \(out, 8\) of torch.float64"):
         torch.ops.pynccl.tp_linears_all_reduce_backward(x, [torch.randn(4, 7, dtype=torch.float64)],
                                                         [torch.randn(2, 3, 4, dtype=torch.float64)], None, n, name)
+    with pytest.raises(ValueError, match="one output gradient per weight, at least one; got 0 for 1 weights"):
+        torch.ops.pynccl.tp_linears_all_reduce_backward(x, [torch.randn(4, 8, dtype=torch.float64)], [], None, n, name)
     with pytest.raises(ValueError, match="chunks must be >= 1, got 0"):
         torch.ops.pynccl.tp_linear_all_reduce(x, torch.randn(4, 8, dtype=torch.float64), 0, n, name)
     os.environ["PYNCCL_TP_ASYNC_CHUNKS"] = "-1"
@@ -182,6 +204,12 @@ def _plan_case(rank, world):
             rerun = LAYERS * 2 if ckpt else 0   # checkpointed layers run their forward again in backward
             expected = {"linears": readers + rerun, "linear_all_reduce": rows + rerun if slices else 0}
             assert {k: seen.calls[k] for k in expected} == expected, f"{what}, {slices} slices: {dict(seen.calls)}"
+    autocast_case(group, sequence_parallel=False)
+    os.environ["PYNCCL_TP_ASYNC_CHUNKS"] = "3"   # and with the row-parallel all-reduce in slices (biased c_proj)
+    try:
+        autocast_case(group, sequence_parallel=False)
+    finally:
+        os.environ.pop("PYNCCL_TP_ASYNC_CHUNKS", None)
     return True
 
 
@@ -251,8 +279,9 @@ def _gpu_case(rank, world):
             ar._native = original
     for i, (a, b) in enumerate(zip(*runs)):
         assert torch.equal(a, b), f"C++ and Python differ in result {i}"
-    scratch = getattr(group, ar._SCRATCH_ATTR)
-    assert scratch[0] is not None or scratch[1], scratch
+    from pynccl.comm.symmetric import symmetric_support
+    if symmetric_support(group).available:   # then the C++ side above ran on the window
+        assert getattr(group, ar._SCRATCH_ATTR)[0] is not None, "no symmetric window for the sums"
     for slices in (None, 3):
         for what, config, plan, ckpt, _, _ in _plan_cases():
             with _Counted(slices) as seen:

@@ -52,6 +52,8 @@ def test_flags_defaults_and_size_errors():
     args = train_bench.parse_args(["--model", "hf-gpt2", "--device", "cpu"])
     assert (args.hidden, args.layers, args.heads, args.vocab, args.seq) == (1024, 24, 16, 50257, 1024)
     assert args.dtype == "fp32"
+    with pytest.raises(SystemExit):   # argparse's error: the dump is of the profiled steps
+        train_bench.parse_args(["--profile-dump", "/tmp/k"])
     args = train_bench.parse_args(["--strategy", "pp-interleaved", "--layers", "4", "--batch", "6",
                                    "--microbatches", "4"])
     assert args.dtype == "bf16" and args.kv_heads == 8

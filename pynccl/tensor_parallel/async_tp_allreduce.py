@@ -61,24 +61,32 @@ def row_slices(rows: int, chunks: int) -> List[tuple]:
 _SCRATCH_ATTR = "_pynccl_tp_all_reduce_scratch"   # on the group: [window tensor or None, unavailable]
 
 
+_SCRATCH_ROUND = 1 << 20
+
+
 def _scratch(g, nbytes: int) -> Optional[torch.Tensor]:
-    """A symmetric window of at least nbytes for g's all-reduced sums, or None (no symmetric memory
-    on g, or PYNCCL_SYMMETRIC=0). Collective when it (re)allocates: every rank runs the same ops in
-    the same order, so every rank asks for the same sizes at the same calls.
+    """A symmetric window of at least nbytes for g's all-reduced sums, or None: no symmetric memory
+    on g (PYNCCL_SYMMETRIC=0 among the reasons), or a larger one is needed while a CUDA graph is
+    being captured, or could not be had (the smaller window is kept for the sizes it fits). Collective
+    when it (re)allocates: every rank runs the same ops in the same order, so every rank asks for the
+    same sizes at the same calls. The window's bytes are outside torch's allocator statistics
+    (comm/symmetric.py's window_bytes() counts them; train_bench's peak adds them).
     NOTE: one window per group serves every op: each op's sum is copied out before the op returns
     (on the comm stream, which the caller's stream waits for), so the next op may reuse it."""
     state = getattr(g, _SCRATCH_ATTR, None)
     if state is None:
         state = [None, False]
         setattr(g, _SCRATCH_ATTR, state)
-    if state[1]:
+    window, unavailable = state
+    if window is not None and window.numel() >= nbytes:
+        return window
+    if unavailable or torch.cuda.is_current_stream_capturing():
+        return None   # NOTE: never allocate (collective, host-synchronizing) inside a capture
+    bufs = alloc_symmetric(g, [(-(-nbytes // _SCRATCH_ROUND) * _SCRATCH_ROUND, torch.uint8)])
+    if bufs is None:
+        state[1] = True     # the same answer on every rank (alloc_symmetric agrees collectively)
         return None
-    if state[0] is None or state[0].numel() < nbytes:
-        bufs = alloc_symmetric(g, [(nbytes, torch.uint8)])
-        if bufs is None:
-            state[:] = [None, True]
-            return None
-        state[0] = bufs[0]
+    state[0] = bufs[0]
     return state[0]
 
 
@@ -95,6 +103,9 @@ def _linears_all_reduce_backward(x: torch.Tensor, weights: List[torch.Tensor], g
                                  group_name: str) -> List[torch.Tensor]:
     g = _checked_group(group_name, group_size)
     _check_weights("tp_linears_all_reduce_backward", x, weights)
+    if not weights or len(grad_ys) != len(weights):
+        raise ValueError(f"pynccl::tp_linears_all_reduce_backward: one output gradient per weight, at least one; "
+                         f"got {len(grad_ys)} for {len(weights)} weights")
     native = _native(g, "tp_linears_all_reduce_backward")
     if native is not None:
         return native(x, list(weights), list(grad_ys), grad_x, _scratch(g, _nbytes(x.shape, x.dtype)))
@@ -126,6 +137,7 @@ class _Linears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group_size, group_name, *weights):
+        ctx.set_materialize_grads(False)   # an unused output's gradient stays None: no zeros summed
         ctx.save_for_backward(x, *weights)
         ctx.args = (group_size, group_name)
         return (x.view_as(x),) + tuple(F.linear(x, w) for w in weights)
@@ -197,10 +209,18 @@ def _check_weights(what: str, x: torch.Tensor, weights: Sequence[torch.Tensor]) 
                              f"got {tuple(w.shape)} of {w.dtype} on {w.device}")
 
 
+def worth_it(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether linears() is the path for this call: autograd records it, and x and every weight need
+    their gradients (the op computes them all; a frozen weight, as under LoRA, or an input without a
+    gradient take the plain path, which skips what is not needed)."""
+    return torch.is_grad_enabled() and x.requires_grad and all(w.requires_grad for w in weights)
+
+
 def linears(x: torch.Tensor, weights: Sequence[torch.Tensor], group):
     """(x, [x @ w^T for w in weights]) where x is replicated over the group: x's gradient (from the
     outputs and from x itself) is summed over the group in backward, that all-reduce overlapped with
-    the weight-gradient GEMMs. Under autocast the inputs are cast as F.linear would cast them."""
+    the weight-gradient GEMMs. Under autocast the inputs are cast as F.linear would cast them, and the
+    x returned is in autocast's dtype (the callers' readers are the projections, which cast it so)."""
     dtype = _compute_dtype(x, weights)
     g = resolve_group(group)
     out = _Linears.apply(x.to(dtype), g.world_size, g.name, *[w.to(dtype) for w in weights])

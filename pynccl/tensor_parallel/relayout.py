@@ -166,7 +166,8 @@ def _relayout(x, src, dst, group, readers=(), gemm_readers=()):
         if seq_dim is not None and gemm_readers:
             x, ys = async_tp.gather_linears(x, [w for _, w in gemm_readers], group, seq_dim)  # (b, s/tp, h) -> (b, s, h)
             async_tp.attach_precomputed(x, [m for m, _ in gemm_readers], ys)
-        elif gemm_readers:    # x replicated: its gradient's all-reduce beside the readers' weight GEMMs
+        elif gemm_readers and async_tp_allreduce.worth_it(x, [w for _, w in gemm_readers]):
+            # x replicated: its gradient's all-reduce beside the readers' weight GEMMs
             x, ys = async_tp_allreduce.linears(x, [w for _, w in gemm_readers], group)
             async_tp.attach_precomputed(x, [m for m, _ in gemm_readers], ys)
         elif whole is not None:

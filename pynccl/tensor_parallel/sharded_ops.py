@@ -35,7 +35,8 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     vocabulary slice of the logits."""
     if input_grad_summed:
         y = F.linear(x, weight, bias)  # (.., in) @ (in, out/tp) -> (.., out/tp)
-    elif overlap_gemm and dist.get_world_size(group) > 1:
+    elif overlap_gemm and dist.get_world_size(group) > 1 and (sequence_parallel or
+                                                              async_tp_allreduce.worth_it(x, [weight])):
         if sequence_parallel:
             _, (y,) = async_tp.gather_linears(x, [weight], group, seq_dim)  # (.., s/tp, .., in) -> (.., s, .., out/tp)
         else:        # x's gradient all-reduced beside the weight GEMM, traced too
@@ -87,9 +88,9 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if sequence_parallel and overlap_gemm:
         y = async_tp.linear_reduce_scatter(x, weight, group, seq_dim)  # (.., s, .., in/tp) -> (.., s/tp, .., out)
         return _add_bias_to_shard(y, bias, group)
-    if overlap_gemm and all_reduce_slices > 0:
+    if overlap_gemm and all_reduce_slices > 0 and not batch_overlap.deferring():  # a batch chunk defers instead
         y = async_tp_allreduce.linear_all_reduce(x, weight, group, all_reduce_slices)  # (.., in/tp) -> (.., out)
-        return y if bias is None else y + bias.to(y.dtype)
+        return y if bias is None else y + bias   # promoted as the plain path's sum_partial_outputs
     y = F.linear(x, weight)  # (.., in/tp) @ (in/tp, out) -> (.., out), a partial sum
     return sum_partial_outputs(y, bias, group, sequence_parallel, seq_dim)
 
