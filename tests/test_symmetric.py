@@ -111,6 +111,39 @@ def test_a_rank_without_room_for_a_window_makes_every_rank_fall_back():
     run_multiprocess(_window_agreement, 2)
 
 
+def _scratch_windows(rank, world_size):
+    """scratch_window (gloo, NCCL's allocation stood in): one window per key, rounded up to 1 MiB,
+    reused while it fits, grown when asked for more; where growing fails the smaller window still
+    serves the sizes it fits and larger ones get None; never allocated while a capture runs."""
+    from unittest import mock
+    from pynccl.comm import symmetric
+    g = pynccl.get_default_group()
+    g._symmetric_support = SymmetricSupport(True, True, "")
+    calls = []
+    comm = type("Comm", (), {"alloc_symmetric": lambda self, n: calls.append(n) or torch.zeros(n, dtype=torch.uint8)})()
+    mib = 2**20
+    free = [1 << 40]
+    with mock.patch.object(g.backend, "comm", comm, create=True), \
+            mock.patch.object(symmetric, "_free_device_bytes", lambda device: free[0]):
+        a = symmetric.scratch_window(g, "a", 100)
+        assert a.numel() == mib and symmetric.scratch_window(g, "a", mib) is a and calls == [mib]
+        b = symmetric.scratch_window(g, "b", 10)
+        assert b is not a and calls == [mib, mib]
+        with mock.patch.object(symmetric, "_capturing", lambda: True):
+            assert symmetric.scratch_window(g, "a", 2 * mib) is None and len(calls) == 2
+            assert symmetric.scratch_window(g, "a", 5) is a
+        a2 = symmetric.scratch_window(g, "a", mib + 1)
+        assert a2.numel() == 2 * mib and calls == [mib, mib, 2 * mib]
+        free[0] = 0 if rank == 1 else 1 << 40      # rank 1 has no room: every rank falls back
+        assert symmetric.scratch_window(g, "b", 3 * mib) is None and len(calls) == 3
+        assert symmetric.scratch_window(g, "b", 10) is b and symmetric.scratch_window(g, "b", 2 * mib) is None
+    return True
+
+
+def test_scratch_windows_grow_and_fall_back_together():
+    assert run_multiprocess(_scratch_windows, 2) == [True, True]
+
+
 # ----------------------------------------------------------------------------- on GPUs
 def _kernels_and_values(rank, world_size):
     g = pynccl.get_default_group()

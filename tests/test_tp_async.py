@@ -311,9 +311,9 @@ def _native_matches_python(group, device):
         w2 = _seeded((64, 48), 44).to(device)
         runs = []
         for native in (True, False):
-            original = async_tp._native
+            original = async_tp.native
             if not native:
-                async_tp._native = lambda g, name: None
+                async_tp.native = lambda g, name: None
             try:
                 xr, wr = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
                 full, ys = async_tp.gather_linears(xr, wr, group, seq_dim)
@@ -323,6 +323,6 @@ def _native_matches_python(group, device):
                 (out * out).sum().backward()
                 runs.append([full, *ys, xr.grad, *[w.grad for w in wr], out, hr.grad, w2r.grad])
             finally:
-                async_tp._native = original
+                async_tp.native = original
         for i, (a, b) in enumerate(zip(*runs)):
             assert torch.equal(a, b), f"seq_dim {seq_dim}: C++ and Python differ in result {i}"

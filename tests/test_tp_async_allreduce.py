@@ -264,9 +264,9 @@ def _gpu_case(rank, world):
     w2 = _seeded((64, 48), 47 + rank).float().to(device)
     runs = []
     for native in (True, False):
-        original = ar._native
+        original = ar.native
         if not native:
-            ar._native = lambda g, name: None
+            ar.native = lambda g, name: None
         try:
             xr, wr = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
             x_out, ys = ar.linears(xr, wr, group)
@@ -276,12 +276,12 @@ def _gpu_case(rank, world):
             (out * out).sum().backward()
             runs.append([*ys, xr.grad, *[w.grad for w in wr], out, hr.grad, w2r.grad])
         finally:
-            ar._native = original
+            ar.native = original
     for i, (a, b) in enumerate(zip(*runs)):
         assert torch.equal(a, b), f"C++ and Python differ in result {i}"
     from pynccl.comm.symmetric import symmetric_support
     if symmetric_support(group).available:   # then the C++ side above ran on the window
-        assert getattr(group, ar._SCRATCH_ATTR)[0] is not None, "no symmetric window for the sums"
+        assert group._scratch_windows[ar._SCRATCH_KEY][0] is not None, "no symmetric window for the sums"
     for slices in (None, 3):
         for what, config, plan, ckpt, _, _ in _plan_cases():
             with _Counted(slices) as seen:

@@ -229,3 +229,36 @@ def alloc_symmetric(group: ProcessGroup, sizes: Sequence[Tuple[int, torch.dtype]
     track_window(window)
     return [window[o: o + numel * torch.empty(0, dtype=dtype).element_size()].view(dtype)
             for o, (numel, dtype) in zip(offsets, sizes)]
+
+
+_SCRATCH_ROUND_BYTES = 1 << 20
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def scratch_window(group: ProcessGroup, key: str, nbytes: int) -> Optional[torch.Tensor]:
+    """A uint8 symmetric window of at least nbytes kept on the group under `key` (one per key,
+    grown as asked, rounded up to 1 MiB), or None: no symmetric memory on the group, a larger one
+    needed while a CUDA graph is being captured (never allocated there: allocation is collective and
+    synchronizes the host), or none could be had (a smaller window is kept for the sizes it fits).
+    Collective when it allocates: callers must ask on every rank in the same order with the same
+    sizes (as ops every rank runs alike do). Its user must be done with it (in stream order) before
+    the next use."""
+    state = getattr(group, "_scratch_windows", None)
+    if state is None:
+        state = group._scratch_windows = {}
+    window, unavailable = state.get(key, (None, False))
+    if window is not None and window.numel() >= nbytes:
+        return window
+    if unavailable or _capturing():
+        return None
+    bufs = alloc_symmetric(group, [(-(-nbytes // _SCRATCH_ROUND_BYTES) * _SCRATCH_ROUND_BYTES, torch.uint8)])
+    if bufs is None:    # the same answer on every rank (alloc_symmetric agrees collectively)
+        state[key] = (window, True)
+        return None
+    state[key] = (bufs[0], False)
+    return bufs[0]
+

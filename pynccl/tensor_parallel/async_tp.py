@@ -35,6 +35,7 @@ from ..comm import collectives
 from ..comm.functional_collectives import _checked_group, define_op
 from ..comm.groups import resolve_group
 from ..comm.p2p import P2POp, batch_work, irecv, isend
+from .overlap_ops import check_weights, compute_dtype, dense_grads, mm_into, native
 
 PRECOMPUTED_ATTR = "_pynccl_tp_precomputed"   # tensor attribute: ((reader module, its output), ...)
 
@@ -48,38 +49,10 @@ def enabled() -> bool:
 
 
 # ------------------------------------------------------------------------------- helpers
-def _native(g, name: str):
-    """The C++ op of that name on g's NCCL communicator (csrc/tp_overlap.cpp), or None (gloo: the
-    Python below, the same algorithm, is the reference the C++ one is tested against)."""
-    return getattr(getattr(g.backend, "comm", None), name, None)
-
-
 def _chunk(t: torch.Tensor, seq_dim: int, n: int, j: int) -> torch.Tensor:
     """Rank j's chunk of dim seq_dim of t (a view)."""
     s = t.shape[seq_dim] // n
     return t.narrow(seq_dim, j * s, s)
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False) -> None:
-    """out (+)= a @ b, a (.., k), b (k, m), out (.., m); a and out may be strided sequence chunks
-    of 3-D tensors (a batched GEMM with the batch stride as it is: no copy on CUDA)."""
-    if a.is_contiguous() and out.is_contiguous():
-        o2 = out.view(-1, out.shape[-1])
-        a2 = a.view(-1, a.shape[-1])
-        if accumulate:
-            o2.addmm_(a2, b)
-        else:
-            torch.mm(a2, b, out=o2)
-    elif a.dim() == 3 and out.dim() == 3:
-        bb = b.expand(a.shape[0], *b.shape)  # (bsz, k, m), batch stride 0
-        if accumulate:
-            out.baddbmm_(a, bb)
-        else:
-            torch.bmm(a, bb, out=out)
-    elif accumulate:
-        out.add_(a @ b)
-    else:
-        out.copy_(a @ b)
 
 
 def _rank_major_is_natural(shape: Sequence[int], seq_dim: int) -> bool:
@@ -129,13 +102,6 @@ def _add_received(own: torch.Tensor, pending: list) -> torch.Tensor:
     return own
 
 
-def dense_grads(grad_ys, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """The readers' output gradients as the backward ops take them: zeros where autograd passed None
-    (an output nobody used), shaped x @ w^T."""
-    return [torch.zeros(x.shape[:-1] + (w.shape[0],), dtype=x.dtype, device=x.device) if gy is None else gy
-            for gy, w in zip(grad_ys, weights)]
-
-
 def _check_args(what: str, x: torch.Tensor, seq_dim: int, n: int, weights: Sequence[torch.Tensor], whole: bool):
     if x.dim() < 2 or not 0 <= seq_dim < x.dim() - 1:
         raise ValueError(f"pynccl::{what}: seq_dim {seq_dim} must name a dim before the last of the input "
@@ -143,10 +109,7 @@ def _check_args(what: str, x: torch.Tensor, seq_dim: int, n: int, weights: Seque
     if whole and x.shape[seq_dim] % n:
         raise ValueError(f"pynccl::{what}: the sequence dim (dim {seq_dim} of shape {tuple(x.shape)}) must be "
                          f"divisible by the tensor-parallel size ({n})")
-    for w in weights:
-        if w.dim() != 2 or w.shape[1] != x.shape[-1] or w.dtype != x.dtype or w.device != x.device:
-            raise ValueError(f"pynccl::{what}: each weight must be (out, {x.shape[-1]}) of {x.dtype} on {x.device}; "
-                             f"got {tuple(w.shape)} of {w.dtype} on {w.device}")
+    check_weights(what, x, weights)
 
 
 def _full_shape(x: torch.Tensor, seq_dim: int, n: int, last: Optional[int] = None) -> List[int]:
@@ -163,21 +126,21 @@ def _gather_linears(x: torch.Tensor, weights: List[torch.Tensor], seq_dim: int, 
     g = _checked_group(group_name, group_size)
     n, r = group_size, g.group_rank
     _check_args("tp_gather_linears", x, seq_dim, n, weights, whole=False)
-    native = _native(g, "tp_gather_linears")
-    if native is not None:
-        return native(x, list(weights), seq_dim)
+    body = native(g, "tp_gather_linears")
+    if body is not None:
+        return body(x, list(weights), seq_dim)
     xs = x.contiguous()                                        # (.., s, .., h), this rank's chunk
     gathered, work = _start_gather(xs, g)
     ys = [xs.new_empty(_full_shape(xs, seq_dim, n, w.shape[0])) for w in weights]
     for y, w in zip(ys, weights):                              # own chunk, beside the all-gather
-        _mm_into(_chunk(y, seq_dim, n, r), xs, w.t())           # (.., s, .., h) @ (h, out/tp)
+        mm_into(_chunk(y, seq_dim, n, r), xs, w.t())           # (.., s, .., h) @ (h, out/tp)
     work.wait()
     pieces = gathered.view(n, *xs.shape)
     x_full = _natural(gathered, xs, seq_dim, n)
     for j in range(n):
         if j != r:
             for y, w in zip(ys, weights):
-                _mm_into(_chunk(y, seq_dim, n, j), pieces[j], w.t())
+                mm_into(_chunk(y, seq_dim, n, j), pieces[j], w.t())
     return [x_full] + ys
 
 
@@ -191,16 +154,16 @@ def _gather_linears_backward(x_full: torch.Tensor, weights: List[torch.Tensor], 
                              group_name: str) -> List[torch.Tensor]:
     g = _checked_group(group_name, group_size)
     n, r = group_size, g.group_rank
-    native = _native(g, "tp_gather_linears_backward")
-    if native is not None:
-        return native(x_full, list(weights), list(grad_ys), grad_x_full, seq_dim)
+    body = native(g, "tp_gather_linears_backward")
+    if body is not None:
+        return body(x_full, list(weights), list(grad_ys), grad_x_full, seq_dim)
 
     def partial_grad_x(j):  # chunk j of sum_i grad_y_i @ w_i (+ grad_x_full): this rank's part of its sum
         out = torch.empty_like(_chunk(x_full, seq_dim, n, j), memory_format=torch.contiguous_format)
         if grad_x_full is not None:
             out.copy_(_chunk(grad_x_full, seq_dim, n, j))
         for k, (gy, w) in enumerate(zip(grad_ys, weights)):
-            _mm_into(out, _chunk(gy, seq_dim, n, j), w, accumulate=grad_x_full is not None or k > 0)
+            mm_into(out, _chunk(gy, seq_dim, n, j), w, accumulate=grad_x_full is not None or k > 0)
         return out
 
     pending = _send_peer_chunks(partial_grad_x, g)   # the weight GEMMs and our own chunk beside them
@@ -248,14 +211,14 @@ def _linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, seq_dim: int, 
     g = _checked_group(group_name, group_size)
     n, r = group_size, g.group_rank
     _check_args("tp_linear_reduce_scatter", h, seq_dim, n, [weight], whole=True)
-    native = _native(g, "tp_linear_reduce_scatter")
-    if native is not None:
-        return native(h, weight, seq_dim)
+    body = native(g, "tp_linear_reduce_scatter")
+    if body is not None:
+        return body(h, weight, seq_dim)
 
     def partial(j):  # (.., s, .., in/tp) @ (in/tp, out) -> this rank's part of chunk j's sum
         chunk = _chunk(h, seq_dim, n, j)
         out = h.new_empty(tuple(chunk.shape[:-1]) + (weight.shape[0],))
-        _mm_into(out, chunk, weight.t())
+        mm_into(out, chunk, weight.t())
         return out
 
     pending = _send_peer_chunks(partial, g)
@@ -273,18 +236,18 @@ def _linear_reduce_scatter_backward(grad_out: torch.Tensor, h: torch.Tensor, wei
                                     group_size: int, group_name: str) -> List[torch.Tensor]:
     g = _checked_group(group_name, group_size)
     n, r = group_size, g.group_rank
-    native = _native(g, "tp_linear_reduce_scatter_backward")
-    if native is not None:
-        return native(grad_out, h, weight, seq_dim)
+    body = native(g, "tp_linear_reduce_scatter_backward")
+    if body is not None:
+        return body(grad_out, h, weight, seq_dim)
     go = grad_out.contiguous()                                  # (.., s, .., out), this rank's chunk
     gathered, work = _start_gather(go, g)
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format)
-    _mm_into(_chunk(grad_h, seq_dim, n, r), go, weight)         # own chunk beside the all-gather
+    mm_into(_chunk(grad_h, seq_dim, n, r), go, weight)         # own chunk beside the all-gather
     work.wait()
     pieces = gathered.view(n, *go.shape)
     for j in range(n):
         if j != r:
-            _mm_into(_chunk(grad_h, seq_dim, n, j), pieces[j], weight)  # (.., s, .., out) @ (out, in/tp)
+            mm_into(_chunk(grad_h, seq_dim, n, j), pieces[j], weight)  # (.., s, .., out) @ (out, in/tp)
     grad_full = _natural(gathered, go, seq_dim, n)
     grad_w = grad_full.reshape(-1, grad_full.shape[-1]).t() @ h.reshape(-1, h.shape[-1])  # (out, in/tp)
     return [grad_h, grad_w]
@@ -319,13 +282,6 @@ class _LinearReduceScatter(torch.autograd.Function):
 
 
 # -------------------------------------------------------------------- what the styles call
-def _compute_dtype(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.dtype:
-    """F.linear's dtype: autocast's where it is on for x's device, else x's (weights must match)."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
 def _seq_dim(what: str, x: torch.Tensor, seq_dim: int) -> int:
     if not -x.dim() <= seq_dim < x.dim():
         raise ValueError(f"{what}: seq_dim {seq_dim} is out of range for an input of shape {tuple(x.shape)}")
@@ -338,7 +294,7 @@ def gather_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], group, seq_
     x's gradient sum are in autocast's dtype (Megatron's bf16 sequence parallelism; the plain path
     gathers and sums in x's own dtype)."""
     seq_dim = _seq_dim("gather_linears", x, seq_dim)
-    dtype = _compute_dtype(x, weights)
+    dtype = compute_dtype(x, weights)
     g = resolve_group(group)
     out = _GatherLinears.apply(x.to(dtype), seq_dim, g.world_size, g.name, *[w.to(dtype) for w in weights])
     # NOTE: a view, free: dynamo (torch 2.11) cannot set attributes on an autograd.Function's outputs
@@ -349,7 +305,7 @@ def gather_linears(x: torch.Tensor, weights: Sequence[torch.Tensor], group, seq_
 def linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, group, seq_dim: int) -> torch.Tensor:
     """This rank's chunk (dim seq_dim) of sum_r h_r @ w_r^T, the partial products sent as they are made."""
     seq_dim = _seq_dim("linear_reduce_scatter", h, seq_dim)
-    dtype = _compute_dtype(h, [weight])
+    dtype = compute_dtype(h, [weight])
     g = resolve_group(group)
     return _LinearReduceScatter.apply(h.to(dtype), weight.to(dtype), seq_dim, g.world_size, g.name)
 

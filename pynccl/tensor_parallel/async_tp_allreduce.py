@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from ..comm import collectives
 from ..comm.functional_collectives import _checked_group, define_op
 from ..comm.groups import resolve_group
-from ..comm.symmetric import alloc_symmetric
-from .async_tp import _compute_dtype, _mm_into, _native, dense_grads
+from ..comm.symmetric import scratch_window
+from .overlap_ops import check_weights, compute_dtype, dense_grads, mm_into, native
 
 DEFAULT_CHUNKS = 0   # RESULTS, session 20: the sliced forward measured slower on 2xH200
 
@@ -58,36 +58,14 @@ def row_slices(rows: int, chunks: int) -> List[tuple]:
 
 
 # ------------------------------------------------------------------------ symmetric scratch
-_SCRATCH_ATTR = "_pynccl_tp_all_reduce_scratch"   # on the group: [window tensor or None, unavailable]
-
-
-_SCRATCH_ROUND = 1 << 20
+_SCRATCH_KEY = "tp_all_reduce"
 
 
 def _scratch(g, nbytes: int) -> Optional[torch.Tensor]:
-    """A symmetric window of at least nbytes for g's all-reduced sums, or None: no symmetric memory
-    on g (PYNCCL_SYMMETRIC=0 among the reasons), or a larger one is needed while a CUDA graph is
-    being captured, or could not be had (the smaller window is kept for the sizes it fits). Collective
-    when it (re)allocates: every rank runs the same ops in the same order, so every rank asks for the
-    same sizes at the same calls. The window's bytes are outside torch's allocator statistics
-    (comm/symmetric.py's window_bytes() counts them; train_bench's peak adds them).
-    NOTE: one window per group serves every op: each op's sum is copied out before the op returns
-    (on the comm stream, which the caller's stream waits for), so the next op may reuse it."""
-    state = getattr(g, _SCRATCH_ATTR, None)
-    if state is None:
-        state = [None, False]
-        setattr(g, _SCRATCH_ATTR, state)
-    window, unavailable = state
-    if window is not None and window.numel() >= nbytes:
-        return window
-    if unavailable or torch.cuda.is_current_stream_capturing():
-        return None   # NOTE: never allocate (collective, host-synchronizing) inside a capture
-    bufs = alloc_symmetric(g, [(-(-nbytes // _SCRATCH_ROUND) * _SCRATCH_ROUND, torch.uint8)])
-    if bufs is None:
-        state[1] = True     # the same answer on every rank (alloc_symmetric agrees collectively)
-        return None
-    state[0] = bufs[0]
-    return state[0]
+    """The group's symmetric window for the all-reduced sums (comm/symmetric.py's scratch_window), or
+    None. NOTE: one window per group serves every op: each op's sum is copied out before the op
+    returns (on the comm stream, which the caller's stream waits for), so the next op may reuse it."""
+    return scratch_window(g, _SCRATCH_KEY, nbytes)
 
 
 def _nbytes(shape, dtype) -> int:
@@ -102,18 +80,18 @@ def _linears_all_reduce_backward(x: torch.Tensor, weights: List[torch.Tensor], g
                                  grad_x: Optional[torch.Tensor], group_size: int,
                                  group_name: str) -> List[torch.Tensor]:
     g = _checked_group(group_name, group_size)
-    _check_weights("tp_linears_all_reduce_backward", x, weights)
+    check_weights("tp_linears_all_reduce_backward", x, weights)
     if not weights or len(grad_ys) != len(weights):
         raise ValueError(f"pynccl::tp_linears_all_reduce_backward: one output gradient per weight, at least one; "
                          f"got {len(grad_ys)} for {len(weights)} weights")
-    native = _native(g, "tp_linears_all_reduce_backward")
-    if native is not None:
-        return native(x, list(weights), list(grad_ys), grad_x, _scratch(g, _nbytes(x.shape, x.dtype)))
+    body = native(g, "tp_linears_all_reduce_backward")
+    if body is not None:
+        return body(x, list(weights), list(grad_ys), grad_x, _scratch(g, _nbytes(x.shape, x.dtype)))
     partial = torch.empty_like(x, memory_format=torch.contiguous_format)
     if grad_x is not None:
         partial.copy_(grad_x)
     for i, (gy, w) in enumerate(zip(grad_ys, weights)):
-        _mm_into(partial, gy.contiguous(), w, accumulate=grad_x is not None or i > 0)  # (.., out_i/tp) @ (out_i/tp, h)
+        mm_into(partial, gy.contiguous(), w, accumulate=grad_x is not None or i > 0)  # (.., out_i/tp) @ (out_i/tp, h)
     work = collectives.all_reduce(partial, group=g, async_op=True)
     x2 = x.reshape(-1, x.shape[-1])
     grad_ws = [gy.reshape(-1, gy.shape[-1]).t() @ x2 for gy in grad_ys]  # beside the all-reduce
@@ -153,13 +131,13 @@ class _Linears(torch.autograd.Function):
 def _linear_all_reduce(h: torch.Tensor, weight: torch.Tensor, chunks: int, group_size: int,
                        group_name: str) -> torch.Tensor:
     g = _checked_group(group_name, group_size)
-    _check_weights("tp_linear_all_reduce", h, [weight])
+    check_weights("tp_linear_all_reduce", h, [weight])
     if chunks < 1:
         raise ValueError(f"pynccl::tp_linear_all_reduce: chunks must be >= 1, got {chunks}")
     out_shape = tuple(h.shape[:-1]) + (weight.shape[0],)
-    native = _native(g, "tp_linear_all_reduce")
-    if native is not None:
-        return native(h, weight, chunks, _scratch(g, _nbytes(out_shape, h.dtype)))
+    body = native(g, "tp_linear_all_reduce")
+    if body is not None:
+        return body(h, weight, chunks, _scratch(g, _nbytes(out_shape, h.dtype)))
     h2 = h.reshape(-1, h.shape[-1])
     out = h.new_empty(out_shape)
     out2 = out.view(-1, out.shape[-1])
@@ -200,15 +178,6 @@ class _LinearAllReduce(torch.autograd.Function):
 
 
 # -------------------------------------------------------------------- what the styles call
-def _check_weights(what: str, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
-    if x.dim() < 1:
-        raise ValueError(f"pynccl::{what}: the input must have a feature dim, got shape {tuple(x.shape)}")
-    for w in weights:
-        if w.dim() != 2 or w.shape[1] != x.shape[-1] or w.dtype != x.dtype or w.device != x.device:
-            raise ValueError(f"pynccl::{what}: each weight must be (out, {x.shape[-1]}) of {x.dtype} on {x.device}; "
-                             f"got {tuple(w.shape)} of {w.dtype} on {w.device}")
-
-
 def worth_it(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
     """Whether linears() is the path for this call: autograd records it, and x and every weight need
     their gradients (the op computes them all; a frozen weight, as under LoRA, or an input without a
@@ -221,7 +190,7 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor], group):
     outputs and from x itself) is summed over the group in backward, that all-reduce overlapped with
     the weight-gradient GEMMs. Under autocast the inputs are cast as F.linear would cast them, and the
     x returned is in autocast's dtype (the callers' readers are the projections, which cast it so)."""
-    dtype = _compute_dtype(x, weights)
+    dtype = compute_dtype(x, weights)
     g = resolve_group(group)
     out = _Linears.apply(x.to(dtype), g.world_size, g.name, *[w.to(dtype) for w in weights])
     # NOTE: a view, free: callers tag it (GRAD_REDUCED_BY, attach_precomputed); see async_tp.gather_linears
@@ -231,6 +200,6 @@ def linears(x: torch.Tensor, weights: Sequence[torch.Tensor], group):
 def linear_all_reduce(h: torch.Tensor, weight: torch.Tensor, group, chunks: int) -> torch.Tensor:
     """sum over the group of h @ weight^T (every rank's partial product), each of `chunks` token
     slices' all-reduce beside the next slice's GEMM."""
-    dtype = _compute_dtype(h, [weight])
+    dtype = compute_dtype(h, [weight])
     g = resolve_group(group)
     return _LinearAllReduce.apply(h.to(dtype), weight.to(dtype), chunks, g.world_size, g.name)
