@@ -219,14 +219,16 @@ std::vector<at::Tensor> tp_linears_all_reduce_backward(Communicator& comm, const
                                                        const std::optional<at::Tensor>& scratch) {
   at::Tensor grad = at::empty(x.sizes(), x.options());
   at::Tensor sum = sum_buffer(scratch, grad, "tp_linears_all_reduce_backward");
+  std::vector<at::Tensor> gys;  // contiguous once, for both GEMMs each
+  for (const auto& gy : grad_ys) gys.push_back(gy.contiguous());
   if (grad_x.has_value()) sum.copy_(*grad_x);
   for (size_t i = 0; i < weights.size(); ++i) {  // (.., out_i/tp) @ (out_i/tp, h): this rank's part of the sum
-    mm_into(sum, grad_ys[i].contiguous(), weights[i], grad_x.has_value() || i > 0);
+    mm_into(sum, gys[i], weights[i], grad_x.has_value() || i > 0);
   }
   std::vector<std::shared_ptr<Work>> works{comm.all_reduce(sum, static_cast<int>(ReduceOp::kSum), true, 1.0)};
   std::vector<at::Tensor> out{grad};
   const at::Tensor x2 = x.reshape({-1, x.size(-1)});
-  for (const auto& gy : grad_ys) out.push_back(at::mm(gy.reshape({-1, gy.size(-1)}).t(), x2));  // beside it
+  for (const auto& gy : gys) out.push_back(at::mm(gy.view({-1, gy.size(-1)}).t(), x2));  // beside it
   finish_sums(comm, works, sum, out[0]);
   return out;
 }

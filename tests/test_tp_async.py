@@ -253,26 +253,33 @@ def test_async_tp_plans_equal_the_unsharded_model():
     assert run_multiprocess(_plan_case, 2, timeout=600) == [True, True]
 
 
-def _compile_case(rank, world):
-    group = pynccl.get_default_group()
+def compiled_llama_case(group, plan, env, what, fw, bw):
+    """HF Llama under `plan` with the env set while it is applied, eager and compiled whole (aot_eager):
+    no graph break, the graphs' pynccl ops as fw / bw, values as the unwrapped and eager models'.
+    Also tests/test_tp_async_allreduce.py's."""
     cfg = llama_config(use_cache=False)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg)
-    plan = tp.plans.llama(sequence_parallel=True)
-    os.environ["PYNCCL_TP_ASYNC"] = "1"
+    os.environ.update(env)
     try:
         eager = tp.parallelize_module(copy.deepcopy(ref), group, plan)
         compiled, seen = _compiled(tp.parallelize_module(copy.deepcopy(ref), group, plan), "record")
     finally:
-        os.environ.pop("PYNCCL_TP_ASYNC", None)
+        for key in env:
+            os.environ.pop(key, None)
     x = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    llama_compiled_equals_eager(ref, eager, compiled, seen, x, group, what, fw, bw)
+
+
+def _compile_case(rank, world):
     # Forward: the embedding's all-reduce and the loss's two; the first layer's slice; per layer two
     # gathers with their projections and two reduce-scatters, the LM head's gather. Backward: their
     # backward ops, the slice's all-gather and the norm weights' grads summed.
     fw = {"all_reduce": 3, "tp_gather_linears": 2 * LAYERS + 1, "tp_linear_reduce_scatter": 2 * LAYERS}
     bw = {"all_reduce": 2 * LAYERS + 1, "all_gather_into_tensor": 1, "tp_gather_linears_backward": 2 * LAYERS + 1,
           "tp_linear_reduce_scatter_backward": 2 * LAYERS}
-    llama_compiled_equals_eager(ref, eager, compiled, seen, x, group, "llama sp, async TP, compiled", fw, bw)
+    compiled_llama_case(pynccl.get_default_group(), tp.plans.llama(sequence_parallel=True), {"PYNCCL_TP_ASYNC": "1"},
+                        "llama sp, async TP, compiled", fw, bw)
     return True
 
 

@@ -17,7 +17,6 @@ async_tp_allreduce.py, PYNCCL_TP_ASYNC=1), on gloo:
 * bad input raises ValueError naming what was expected.
 """
 import collections
-import copy
 import os
 
 import pytest
@@ -32,8 +31,7 @@ from numerics import assert_within, chain_rtol
 transformers = pytest.importorskip("transformers")
 
 from test_tp_plan import check_plan, gpt2_config, llama_config  # noqa: E402
-from test_tp_compile import _compiled, llama_compiled_equals_eager  # noqa: E402
-from test_tp_async import autocast_case  # noqa: E402
+from test_tp_async import autocast_case, compiled_llama_case  # noqa: E402
 
 LAYERS = llama_config().num_hidden_layers
 
@@ -219,24 +217,13 @@ def test_all_reduce_overlap_plans_equal_the_unsharded_model():
 
 
 def _compile_case(rank, world):
-    group = pynccl.get_default_group()
-    cfg = llama_config(use_cache=False)
-    torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(cfg)
-    plan = tp.plans.llama()
-    os.environ.update(PYNCCL_TP_ASYNC="1", PYNCCL_TP_ASYNC_CHUNKS="3")   # both ops in the graphs
-    try:
-        eager = tp.parallelize_module(copy.deepcopy(ref), group, plan)
-        compiled, seen = _compiled(tp.parallelize_module(copy.deepcopy(ref), group, plan), "record")
-    finally:
-        os.environ.pop("PYNCCL_TP_ASYNC", None)
-        os.environ.pop("PYNCCL_TP_ASYNC_CHUNKS", None)
-    x = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     # Forward: the embedding's all-reduce and the loss's two; each o_proj / down_proj's overlapped
     # all-reduce. Backward: every reader node's input-gradient all-reduce (two a layer, the LM head).
     fw = {"all_reduce": 3, "tp_linear_all_reduce": 2 * LAYERS}
     bw = {"tp_linears_all_reduce_backward": 2 * LAYERS + 1}
-    llama_compiled_equals_eager(ref, eager, compiled, seen, x, group, "llama, async TP (all-reduce), compiled", fw, bw)
+    compiled_llama_case(pynccl.get_default_group(), tp.plans.llama(),
+                        {"PYNCCL_TP_ASYNC": "1", "PYNCCL_TP_ASYNC_CHUNKS": "3"},   # both ops in the graphs
+                        "llama, async TP (all-reduce), compiled", fw, bw)
     return True
 
 

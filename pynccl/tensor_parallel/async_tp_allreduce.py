@@ -25,6 +25,7 @@ Bias-free, as async_tp.py's: callers add a bias after (whole, once).
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import List, Optional, Sequence
 
@@ -57,22 +58,10 @@ def row_slices(rows: int, chunks: int) -> List[tuple]:
     return [(c * rows // k, (c + 1) * rows // k - c * rows // k) for c in range(k)]
 
 
-# ------------------------------------------------------------------------ symmetric scratch
+# The group's symmetric window for the all-reduced sums (comm/symmetric.py's scratch_window).
+# NOTE: one window per group serves every op: each op's sum is copied out before the op returns (on
+# the comm stream, which the caller's stream waits for), so the next op may reuse it.
 _SCRATCH_KEY = "tp_all_reduce"
-
-
-def _scratch(g, nbytes: int) -> Optional[torch.Tensor]:
-    """The group's symmetric window for the all-reduced sums (comm/symmetric.py's scratch_window), or
-    None. NOTE: one window per group serves every op: each op's sum is copied out before the op
-    returns (on the comm stream, which the caller's stream waits for), so the next op may reuse it."""
-    return scratch_window(g, _SCRATCH_KEY, nbytes)
-
-
-def _nbytes(shape, dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
 
 
 # --------------------------------------------------- linears, then the input grad's all-reduce
@@ -86,12 +75,14 @@ def _linears_all_reduce_backward(x: torch.Tensor, weights: List[torch.Tensor], g
                          f"got {len(grad_ys)} for {len(weights)} weights")
     body = native(g, "tp_linears_all_reduce_backward")
     if body is not None:
-        return body(x, list(weights), list(grad_ys), grad_x, _scratch(g, _nbytes(x.shape, x.dtype)))
+        return body(x, list(weights), list(grad_ys), grad_x,
+                    scratch_window(g, _SCRATCH_KEY, x.numel() * x.element_size()))
+    grad_ys = [gy.contiguous() for gy in grad_ys]       # once, for both GEMMs each
     partial = torch.empty_like(x, memory_format=torch.contiguous_format)
     if grad_x is not None:
         partial.copy_(grad_x)
     for i, (gy, w) in enumerate(zip(grad_ys, weights)):
-        mm_into(partial, gy.contiguous(), w, accumulate=grad_x is not None or i > 0)  # (.., out_i/tp) @ (out_i/tp, h)
+        mm_into(partial, gy, w, accumulate=grad_x is not None or i > 0)  # (.., out_i/tp) @ (out_i/tp, h)
     work = collectives.all_reduce(partial, group=g, async_op=True)
     x2 = x.reshape(-1, x.shape[-1])
     grad_ws = [gy.reshape(-1, gy.shape[-1]).t() @ x2 for gy in grad_ys]  # beside the all-reduce
@@ -137,7 +128,7 @@ def _linear_all_reduce(h: torch.Tensor, weight: torch.Tensor, chunks: int, group
     out_shape = tuple(h.shape[:-1]) + (weight.shape[0],)
     body = native(g, "tp_linear_all_reduce")
     if body is not None:
-        return body(h, weight, chunks, _scratch(g, _nbytes(out_shape, h.dtype)))
+        return body(h, weight, chunks, scratch_window(g, _SCRATCH_KEY, math.prod(out_shape) * h.element_size()))
     h2 = h.reshape(-1, h.shape[-1])
     out = h.new_empty(out_shape)
     out2 = out.view(-1, out.shape[-1])
