@@ -85,6 +85,9 @@ def parse_args(argv=None):
                    help="compile each side as its users do (on), or run eager and compiled rows (both)")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend (inductor; the CPU tests use aot_eager)")
+    p.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                   default="default", help="torch.compile mode, both sides and the floor alike (reduce-overhead: "
+                   "each compiled graph replayed as a CUDA graph; inductor only)")
     p.add_argument("--loss-rtol", type=float, default=0.02,
                    help="final losses of a pair, or of a side compiled and eager, further apart are a PROBLEM")
     p.add_argument("--impl", choices=["both", "pynccl", "torch"], default="both")
@@ -123,6 +126,9 @@ def parse_args(argv=None):
                                           "name, stream, start and end in µs), one file per run (the run's label added)")
     p.add_argument("--plot", help="draw tokens/s per strategy here (PNG; rank 0)")
     args = p.parse_args(argv)
+    if args.compile_mode != "default" and args.compile_backend != "inductor":
+        p.error(f"--compile-mode {args.compile_mode} needs --compile-backend inductor (torch.compile's modes are "
+                f"inductor's; {args.compile_backend} would ignore it)")
     if args.profile_dump and not args.profile:
         p.error("--profile-dump needs --profile (the dump is of the profiled steps)")
     for key, value in DEFAULTS[args.model].items():
@@ -187,7 +193,7 @@ def header(ctx: BenchContext) -> dict:
     return dict(torch=torch.__version__, transformers=transformers.__version__, nccl_runtime=nccl,
                 torch_nccl=torch_runners.torch_nccl_version(), device=gpu, world_size=ctx.world_size,
                 flops_per_token=mfu.hf_flops_per_token(hf_config(args), args.seq), peak_bf16_flops=peak,
-                compile=args.compile, compile_backend=args.compile_backend, floor=args.floor,
+                compile=args.compile, compile_backend=args.compile_backend, compile_mode=args.compile_mode, floor=args.floor,
                 model=args.model, params=num_params(hf_config(args)), batch=args.batch, steps=args.steps,
                 warmup=args.warmup, microbatches=args.microbatches, dtype=args.dtype, optim=args.optim_impl,
                 zero12_optim=args.optim_impl if args.zero12_optim_impl == "same" else args.zero12_optim_impl, **sizes)
@@ -201,7 +207,7 @@ def print_header(h: dict) -> None:
           f"{h['nccl_runtime']}, transformers {h['transformers']}")
     peak = "n/a" if h["peak_bf16_flops"] is None else f"{h['peak_bf16_flops'] / 1e12:.0f} TFLOP/s"
     print(f"# MFU: {h['flops_per_token'] / 1e9:.3f} GFLOP per token (6·N + 12·L·H·D·T) over the dense bf16 peak "
-          f"({peak}); compile: {h['compile']} (backend {h['compile_backend']})")
+          f"({peak}); compile: {h['compile']} (backend {h['compile_backend']}, mode {h.get('compile_mode', 'default')})")
 
 
 def run_one(ctx: BenchContext, strategy: str, impl: str) -> dict:

@@ -7,11 +7,15 @@
 // collectives on the communicator's (Work::wait joins them); chunk views of [b, s, h] tensors are
 // strided and go through bmm with the batch stride as it is (no copy).
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cuda_runtime.h>
+
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "check.h"
@@ -59,6 +63,10 @@ std::vector<int64_t> with_seq_times(c10::IntArrayRef shape, int64_t seq_dim, int
   return out;
 }
 
+cudaStream_t caller_stream(const Communicator& comm) {
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(comm.device())).stream();
+}
+
 // The chunks of dim seq_dim stacked rank after rank are the tensor itself: every dim before it has size 1.
 bool rank_major_is_natural(c10::IntArrayRef shape, int64_t seq_dim) {
   for (int64_t d = 0; d < seq_dim; ++d) {
@@ -74,7 +82,8 @@ at::Tensor gather_buffer(const at::Tensor& local, int64_t n) {
   return at::empty(shape, local.options());
 }
 
-// The whole tensor in its natural layout from the rank-major gathered chunks.
+// The whole tensor in its natural layout from the rank-major gathered chunks (a view where the
+// layouts agree, else torch's copy kernel per chunk on the caller's stream, after the gather).
 at::Tensor natural(const at::Tensor& gathered, const at::Tensor& local, int64_t seq_dim, int64_t n) {
   const auto shape = with_seq_times(local.sizes(), seq_dim, n);
   if (rank_major_is_natural(local.sizes(), seq_dim)) return gathered.view(shape);
@@ -82,6 +91,45 @@ at::Tensor natural(const at::Tensor& gathered, const at::Tensor& local, int64_t 
   const auto pieces = gathered.chunk(n, 0);
   for (int64_t j = 0; j < n; ++j) seq_chunk(whole, seq_dim, n, j).copy_(pieces[j]);
   return whole;
+}
+
+// natural()'s copies queued on the comm stream instead, right behind the all-gather that writes
+// `gathered` (called before the caller waits for it): one strided 2-D copy per chunk
+// (cudaMemcpy2DAsync: rows of s * inner elements into rows n times as long; the driver runs it as
+// its own copy kernel, memcpyDtoD2D_*), off the caller's stream, so the caller's GEMMs on the
+// peers' chunks run beside it. torch's copy kernels on the caller's stream cost a compiled TP+SP
+// step of Llama 1.1B at batch 4 2 ms of its 77 (2xH200, session 21). nullopt where natural() is a
+// view, or a row is past a 2-D copy's pitch: natural() then, after the wait. Else the caller's
+// stream must wait for the comm stream (Communicator::order_after) before the result is read.
+std::optional<at::Tensor> natural_on_comm_stream(Communicator& comm, const at::Tensor& gathered,
+                                                  const at::Tensor& local, int64_t seq_dim, int64_t n) {
+  const cudaStream_t comm_stream = reinterpret_cast<cudaStream_t>(comm.stream_handle());
+  if (rank_major_is_natural(local.sizes(), seq_dim) || comm_stream == nullptr || local.numel() == 0) {
+    return std::nullopt;
+  }
+  int64_t outer = 1;
+  for (int64_t d = 0; d < seq_dim; ++d) outer *= local.size(d);
+  const size_t row = static_cast<size_t>(local.numel() / outer) * local.element_size();  // one chunk's row
+  constexpr size_t kMaxPitch = 2147483647;  // cudaDevAttrMaxPitch on every CUDA GPU so far
+  if (static_cast<size_t>(n) * row > kMaxPitch) return std::nullopt;
+  at::Tensor whole = at::empty(with_seq_times(local.sizes(), seq_dim, n), local.options());
+  char* const dst = static_cast<char*>(whole.data_ptr());
+  const char* const src = static_cast<const char*>(gathered.data_ptr());
+  for (int64_t j = 0; j < n; ++j) {
+    // cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+    //                               size_t height, cudaMemcpyKind kind, cudaStream_t stream);
+    C10_CUDA_CHECK(cudaMemcpy2DAsync(dst + j * row, n * row, src + j * outer * row, row, row,
+                                     static_cast<size_t>(outer), cudaMemcpyDeviceToDevice, comm_stream));
+  }
+  return whole;
+}
+
+// natural_on_comm_stream' result, the caller's stream now after its copies; or natural()'s.
+at::Tensor natural_joined(Communicator& comm, std::optional<at::Tensor> queued, const at::Tensor& gathered,
+                          const at::Tensor& local, int64_t seq_dim, int64_t n) {
+  if (!queued.has_value()) return natural(gathered, local, seq_dim, n);
+  comm.order_after(caller_stream(comm), reinterpret_cast<cudaStream_t>(comm.stream_handle()));
+  return *queued;
 }
 
 // Where a sum to be all-reduced is computed: a view of the symmetric window `scratch` (NCCL's
@@ -135,13 +183,14 @@ std::vector<at::Tensor> tp_gather_linears(Communicator& comm, const at::Tensor& 
     out.push_back(at::empty(with_seq_times(xs.sizes(), seq_dim, n, w.size(0)), xs.options()));
     mm_into(seq_chunk(out.back(), seq_dim, n, r), xs, w.t(), false);  // own chunk, beside the all-gather
   }
+  auto queued = natural_on_comm_stream(comm, gathered, xs, seq_dim, n);  // beside the peers' GEMMs
   work->wait(std::nullopt);
   const auto pieces = gathered.chunk(n, 0);
   for (int64_t j = 0; j < n; ++j) {
     if (j == r) continue;
     for (size_t i = 0; i < weights.size(); ++i) mm_into(seq_chunk(out[i + 1], seq_dim, n, j), pieces[j], weights[i].t(), false);
   }
-  out[0] = natural(gathered, xs, seq_dim, n);
+  out[0] = natural_joined(comm, std::move(queued), gathered, xs, seq_dim, n);
   return out;
 }
 
@@ -150,11 +199,15 @@ std::vector<at::Tensor> tp_gather_linears_backward(Communicator& comm, const at:
                                                    const std::vector<at::Tensor>& grad_ys,
                                                    const std::optional<at::Tensor>& grad_x_full, int64_t seq_dim) {
   const int64_t n = comm.world_size(), r = comm.rank();
+  // NOTE: each output gradient made contiguous once, for its chunk GEMMs and its weight GEMM alike
+  // (q's comes back from attention transposed: a strided chunk per peer and a reshape copied it 3 times).
+  std::vector<at::Tensor> gys;
+  for (const auto& gy : grad_ys) gys.push_back(gy.contiguous());
   auto partial_grad_x = [&](int64_t j) {  // chunk j of sum_i grad_y_i @ w_i (+ grad_x_full)
     at::Tensor out = at::empty(seq_chunk(x_full, seq_dim, n, j).sizes(), x_full.options());
     if (grad_x_full.has_value()) out.copy_(seq_chunk(*grad_x_full, seq_dim, n, j));
     for (size_t i = 0; i < weights.size(); ++i) {
-      mm_into(out, seq_chunk(grad_ys[i], seq_dim, n, j), weights[i], grad_x_full.has_value() || i > 0);
+      mm_into(out, seq_chunk(gys[i], seq_dim, n, j), weights[i], grad_x_full.has_value() || i > 0);
     }
     return out;
   };
@@ -163,7 +216,7 @@ std::vector<at::Tensor> tp_gather_linears_backward(Communicator& comm, const at:
   for (int64_t j = 1; j < n; ++j) pending.push_back(exchange(comm, partial_grad_x((r + j) % n), (r + j) % n, (r - j + n) % n));
   std::vector<at::Tensor> out{at::Tensor()};
   const at::Tensor x2 = x_full.reshape({-1, x_full.size(-1)});
-  for (const auto& gy : grad_ys) out.push_back(at::mm(gy.reshape({-1, gy.size(-1)}).t(), x2));  // (out/tp, h)
+  for (const auto& gy : gys) out.push_back(at::mm(gy.view({-1, gy.size(-1)}).t(), x2));  // (out/tp, h)
   at::Tensor grad_x = partial_grad_x(r);
   for (auto& [work, sent, recv] : pending) {
     work->wait(std::nullopt);
@@ -202,12 +255,13 @@ std::vector<at::Tensor> tp_linear_reduce_scatter_backward(Communicator& comm, co
   auto work = comm.all_gather_into_tensor(gathered, go, /*async_op=*/true);
   at::Tensor grad_h = at::empty(h.sizes(), h.options());
   mm_into(seq_chunk(grad_h, seq_dim, n, r), go, weight, false);  // own chunk beside the all-gather
+  auto queued = natural_on_comm_stream(comm, gathered, go, seq_dim, n);  // beside the peers' GEMMs
   work->wait(std::nullopt);
   const auto pieces = gathered.chunk(n, 0);
   for (int64_t j = 0; j < n; ++j) {
     if (j != r) mm_into(seq_chunk(grad_h, seq_dim, n, j), pieces[j], weight, false);  // (.., s, .., out) @ (out, in/tp)
   }
-  const at::Tensor grad_full = natural(gathered, go, seq_dim, n);
+  const at::Tensor grad_full = natural_joined(comm, std::move(queued), gathered, go, seq_dim, n);
   at::Tensor grad_w = at::mm(grad_full.reshape({-1, grad_full.size(-1)}).t(), h.reshape({-1, h.size(-1)}));
   return {grad_h, grad_w};
 }

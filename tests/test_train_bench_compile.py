@@ -158,6 +158,18 @@ def test_one_gpu_tp_reference_is_the_plain_model(tmp_path):
             assert abs(a - b) <= REL * abs(b)
 
 
+def test_compile_mode_reaches_torch_compile_and_needs_inductor(capsys):
+    """--compile-mode goes to torch.compile as its mode (none for the default: torch's own), and only
+    with inductor, whose modes they are (another backend would ignore it, with a warning only)."""
+    from train_bench_lib import compile_recipes as cr
+    assert cr._options("inductor", "reduce-overhead") == dict(backend="inductor", mode="reduce-overhead")
+    assert cr._options("aot_eager", "default") == dict(backend="aot_eager")
+    assert cr._options("aot_eager", None) == dict(backend="aot_eager")
+    with pytest.raises(SystemExit):
+        train_bench.parse_args(["--compile", "--compile-mode", "reduce-overhead", "--compile-backend", "aot_eager"])
+    assert "needs --compile-backend inductor" in capsys.readouterr().err
+
+
 def test_async_tp_needs_compile_and_cuda(tmp_path):
     result = _rows(tmp_path, ["--nproc", "2", "--strategy", "tp-sp-async", "--impl", "torch"])
     assert "run it with --compile" in result["rows"][0]["error"]

@@ -39,26 +39,33 @@ def blocks_of(model) -> torch.nn.ModuleList:
     return model.model.layers if hasattr(model, "model") else model.transformer.h
 
 
-def compile_blocks(model, backend: str):
+def _options(backend: str, mode: Optional[str]) -> dict:
+    """torch.compile's keywords: the backend, and the mode where one is asked for (None: torch's
+    default; "reduce-overhead" replays each compiled graph as a CUDA graph, Megatron's per-layer
+    CUDA graphs by another road)."""
+    return dict(backend=backend) if mode in (None, "default") else dict(backend=backend, mode=mode)
+
+
+def compile_blocks(model, backend: str, mode: Optional[str] = None):
     """torchtitan's apply_compile: module.compile() on each block, in place."""
     for block in blocks_of(model):
-        block.compile(backend=backend)
+        block.compile(**_options(backend, mode))
     return model
 
 
-def compile_model(model, backend: str):
+def compile_model(model, backend: str, mode: Optional[str] = None):
     """nanoGPT's `model = torch.compile(model)` (an OptimizedModule that the wrapper takes)."""
-    return torch.compile(model, backend=backend)
+    return torch.compile(model, **_options(backend, mode))
 
 
 def blocks_if_compiled(ctx, model):
     """compile_blocks(model) where the side is built compiled (ctx.compiled), else the model."""
-    return compile_blocks(model, ctx.args.compile_backend) if ctx.compiled else model
+    return compile_blocks(model, ctx.args.compile_backend, ctx.args.compile_mode) if ctx.compiled else model
 
 
 def model_if_compiled(ctx, model):
     """compile_model(model) where the side is built compiled, else the model."""
-    return compile_model(model, ctx.args.compile_backend) if ctx.compiled else model
+    return compile_model(model, ctx.args.compile_backend, ctx.args.compile_mode) if ctx.compiled else model
 
 
 def recipe(ctx, compiled_as: str) -> str:

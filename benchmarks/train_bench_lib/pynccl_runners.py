@@ -56,8 +56,8 @@ def _compiled_for_zero(ctx: BenchContext, model, stage: int):
     if not ctx.compiled:
         return model, cr.EAGER
     if stage == 1:
-        return cr.compile_model(model, ctx.args.compile_backend), cr.WHOLE
-    return cr.compile_blocks(model, ctx.args.compile_backend), cr.BLOCKS
+        return cr.compile_model(model, ctx.args.compile_backend, ctx.args.compile_mode), cr.WHOLE
+    return cr.compile_blocks(model, ctx.args.compile_backend, ctx.args.compile_mode), cr.BLOCKS
 
 
 def _zero(ctx: BenchContext, stage: int) -> Trainer:

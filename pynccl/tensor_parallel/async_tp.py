@@ -157,6 +157,7 @@ def _gather_linears_backward(x_full: torch.Tensor, weights: List[torch.Tensor], 
     body = native(g, "tp_gather_linears_backward")
     if body is not None:
         return body(x_full, list(weights), list(grad_ys), grad_x_full, seq_dim)
+    grad_ys = [gy.contiguous() for gy in grad_ys]   # once, for the chunk GEMMs and the weight GEMM alike
 
     def partial_grad_x(j):  # chunk j of sum_i grad_y_i @ w_i (+ grad_x_full): this rank's part of its sum
         out = torch.empty_like(_chunk(x_full, seq_dim, n, j), memory_format=torch.contiguous_format)
@@ -168,7 +169,7 @@ def _gather_linears_backward(x_full: torch.Tensor, weights: List[torch.Tensor], 
 
     pending = _send_peer_chunks(partial_grad_x, g)   # the weight GEMMs and our own chunk beside them
     x2 = x_full.reshape(-1, x_full.shape[-1])
-    grad_ws = [gy.reshape(-1, gy.shape[-1]).t() @ x2 for gy in grad_ys]  # (out/tp, tokens) @ (tokens, h)
+    grad_ws = [gy.view(-1, gy.shape[-1]).t() @ x2 for gy in grad_ys]  # (out/tp, tokens) @ (tokens, h)
     return [_add_received(partial_grad_x(r), pending)] + grad_ws
 
 

@@ -18,6 +18,7 @@ import torch
 
 from pynccl import _ext
 from pynccl.comm.backends.base import Backend
+from pynccl.comm.compiled_graphs import drop_compiled_cuda_graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +196,13 @@ class NcclBackend(_CppOps, Backend):
     def destroy(self):
         """Collective: ncclCommFinalize then ncclCommDestroy, bounded by the timeout (a blocking
         finalize by the watchdog: past it, the process ends as on any time-out). Returns at once
-        on an aborted communicator."""
+        on an aborted communicator. torch.compile's CUDA graphs go first (compiled_graphs.py):
+        NCCL waits for every graph that captured the communicator's collectives."""
+        drop_compiled_cuda_graphs()
         self.comm.destroy()
 
     def abort(self):
-        """Local: ncclCommAbort; later ops raise PyncclError."""
+        """Local: ncclCommAbort; later ops raise PyncclError. torch.compile's CUDA graphs go first,
+        as in destroy()."""
+        drop_compiled_cuda_graphs()
         self.comm.abort()
