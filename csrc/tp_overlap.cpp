@@ -94,43 +94,81 @@ at::Tensor natural(const at::Tensor& gathered, const at::Tensor& local, int64_t 
 }
 
 // natural()'s copies queued on the comm stream instead, right behind the all-gather that writes
-// `gathered` (called before the caller waits for it): one strided 2-D copy per chunk
-// (cudaMemcpy2DAsync: rows of s * inner elements into rows n times as long; the driver runs it as
-// its own copy kernel, memcpyDtoD2D_*), off the caller's stream, so the caller's GEMMs on the
-// peers' chunks run beside it. torch's copy kernels on the caller's stream cost a compiled TP+SP
-// step of Llama 1.1B at batch 4 2 ms of its 77 (2xH200, session 21). nullopt where natural() is a
-// view, or a row is past a 2-D copy's pitch: natural() then, after the wait. Else the caller's
-// stream must wait for the comm stream (Communicator::order_after) before the result is read.
-std::optional<at::Tensor> natural_on_comm_stream(Communicator& comm, const at::Tensor& gathered,
-                                                  const at::Tensor& local, int64_t seq_dim, int64_t n) {
-  const cudaStream_t comm_stream = reinterpret_cast<cudaStream_t>(comm.stream_handle());
-  if (rank_major_is_natural(local.sizes(), seq_dim) || comm_stream == nullptr || local.numel() == 0) {
-    return std::nullopt;
+// the rank-major chunks: one strided 2-D copy per chunk (cudaMemcpy2DAsync: `outer` rows of one
+// chunk's bytes into rows n times as long; the driver runs it as its own copy kernel,
+// memcpyDtoD2D_*), off the caller's stream, so the caller's GEMMs on the peers' chunks run beside
+// it. torch's copy kernels on the caller's stream cost a compiled TP+SP step of Llama 1.1B at
+// batch 4 2 ms of its 77 (2xH200, session 21). Where natural() is a view, or a row is past a 2-D
+// copy's pitch, natural() runs instead, after the caller's wait. Use:
+//   NaturalLayout whole(comm, local, seq_dim, n);   // before the all-gather is queued
+//   (queue the all-gather into `gathered`); whole.queue(gathered);
+//   (the caller waits for the gather, runs its GEMMs); at::Tensor t = whole.take(gathered);
+class NaturalLayout {
+ public:
+  // NOTE: the result is allocated here, before the all-gather orders the comm stream after the
+  // caller's: a block the caller's stream freed later could otherwise become it while a caller
+  // kernel still uses it, and the comm stream's copy would write over that kernel's data.
+  NaturalLayout(Communicator& comm, const at::Tensor& local, int64_t seq_dim, int64_t n)
+      : comm_(comm), local_(local), seq_dim_(seq_dim), n_(n) {
+    const cudaStream_t comm_stream = reinterpret_cast<cudaStream_t>(comm.stream_handle());
+    if (rank_major_is_natural(local.sizes(), seq_dim) || comm_stream == nullptr || local.numel() == 0) return;
+    for (int64_t d = 0; d < seq_dim; ++d) outer_ *= local.size(d);
+    row_ = static_cast<size_t>(local.numel() / outer_) * local.element_size();  // one chunk's row
+    constexpr size_t kMaxPitch = 2147483647;  // cudaDevAttrMaxPitch on every CUDA GPU so far
+    if (static_cast<size_t>(n) * row_ > kMaxPitch) return;
+    whole_ = at::empty(with_seq_times(local.sizes(), seq_dim, n), local.options());
   }
-  int64_t outer = 1;
-  for (int64_t d = 0; d < seq_dim; ++d) outer *= local.size(d);
-  const size_t row = static_cast<size_t>(local.numel() / outer) * local.element_size();  // one chunk's row
-  constexpr size_t kMaxPitch = 2147483647;  // cudaDevAttrMaxPitch on every CUDA GPU so far
-  if (static_cast<size_t>(n) * row > kMaxPitch) return std::nullopt;
-  at::Tensor whole = at::empty(with_seq_times(local.sizes(), seq_dim, n), local.options());
-  char* const dst = static_cast<char*>(whole.data_ptr());
-  const char* const src = static_cast<const char*>(gathered.data_ptr());
-  for (int64_t j = 0; j < n; ++j) {
-    // cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
-    //                               size_t height, cudaMemcpyKind kind, cudaStream_t stream);
-    C10_CUDA_CHECK(cudaMemcpy2DAsync(dst + j * row, n * row, src + j * outer * row, row, row,
-                                     static_cast<size_t>(outer), cudaMemcpyDeviceToDevice, comm_stream));
-  }
-  return whole;
-}
+  NaturalLayout(const NaturalLayout&) = delete;
+  NaturalLayout& operator=(const NaturalLayout&) = delete;
 
-// natural_on_comm_stream' result, the caller's stream now after its copies; or natural()'s.
-at::Tensor natural_joined(Communicator& comm, std::optional<at::Tensor> queued, const at::Tensor& gathered,
-                          const at::Tensor& local, int64_t seq_dim, int64_t n) {
-  if (!queued.has_value()) return natural(gathered, local, seq_dim, n);
-  comm.order_after(caller_stream(comm), reinterpret_cast<cudaStream_t>(comm.stream_handle()));
-  return *queued;
-}
+  // Right after the all-gather into `gathered` was queued (before the caller waits for it).
+  void queue(const at::Tensor& gathered) {
+    if (!whole_.has_value()) return;
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(comm_.device()));
+    const cudaStream_t comm_stream = reinterpret_cast<cudaStream_t>(comm_.stream_handle());
+    char* const dst = static_cast<char*>(whole_->data_ptr());
+    const char* const src = static_cast<const char*>(gathered.data_ptr());
+    for (int64_t j = 0; j < n_; ++j) {
+      // cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+      //                               size_t height, cudaMemcpyKind kind, cudaStream_t stream);
+      C10_CUDA_CHECK(cudaMemcpy2DAsync(dst + j * row_, n_ * row_, src + j * outer_ * row_, row_, row_,
+                                       static_cast<size_t>(outer_), cudaMemcpyDeviceToDevice, comm_stream));
+      queued_ = true;
+    }
+  }
+
+  // After the caller waited for the gather: the whole tensor, the caller's stream now after the copies.
+  at::Tensor take(const at::Tensor& gathered) {
+    if (!queued_) return natural(gathered, local_, seq_dim_, n_);
+    join();
+    return *whole_;
+  }
+
+  // NOTE: an exception between queue() and take() (a failed wait, an aborted communicator) still
+  // orders the caller's stream after the copies before their buffers go back to the allocator.
+  ~NaturalLayout() {
+    try {
+      join();
+    } catch (...) {
+    }
+  }
+
+ private:
+  void join() {
+    if (!queued_) return;
+    queued_ = false;
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(comm_.device()));
+    comm_.order_after(caller_stream(comm_), reinterpret_cast<cudaStream_t>(comm_.stream_handle()));
+  }
+
+  Communicator& comm_;
+  const at::Tensor local_;
+  const int64_t seq_dim_, n_;
+  int64_t outer_ = 1;
+  size_t row_ = 0;
+  std::optional<at::Tensor> whole_;
+  bool queued_ = false;
+};
 
 // Where a sum to be all-reduced is computed: a view of the symmetric window `scratch` (NCCL's
 // symmetric kernels, a few CTAs) or, without one, the output itself.
@@ -177,20 +215,21 @@ std::vector<at::Tensor> tp_gather_linears(Communicator& comm, const at::Tensor& 
   const int64_t n = comm.world_size(), r = comm.rank();
   const at::Tensor xs = x.contiguous();  // (.., s, .., h): this rank's chunk
   at::Tensor gathered = gather_buffer(xs, n);
+  NaturalLayout whole(comm, xs, seq_dim, n);
   auto work = comm.all_gather_into_tensor(gathered, xs, /*async_op=*/true);
+  whole.queue(gathered);  // beside the GEMMs below
   std::vector<at::Tensor> out{at::Tensor()};
   for (const auto& w : weights) {
     out.push_back(at::empty(with_seq_times(xs.sizes(), seq_dim, n, w.size(0)), xs.options()));
     mm_into(seq_chunk(out.back(), seq_dim, n, r), xs, w.t(), false);  // own chunk, beside the all-gather
   }
-  auto queued = natural_on_comm_stream(comm, gathered, xs, seq_dim, n);  // beside the peers' GEMMs
   work->wait(std::nullopt);
   const auto pieces = gathered.chunk(n, 0);
   for (int64_t j = 0; j < n; ++j) {
     if (j == r) continue;
     for (size_t i = 0; i < weights.size(); ++i) mm_into(seq_chunk(out[i + 1], seq_dim, n, j), pieces[j], weights[i].t(), false);
   }
-  out[0] = natural_joined(comm, std::move(queued), gathered, xs, seq_dim, n);
+  out[0] = whole.take(gathered);
   return out;
 }
 
@@ -252,16 +291,17 @@ std::vector<at::Tensor> tp_linear_reduce_scatter_backward(Communicator& comm, co
   const int64_t n = comm.world_size(), r = comm.rank();
   const at::Tensor go = grad_out.contiguous();  // (.., s, .., out): this rank's chunk
   at::Tensor gathered = gather_buffer(go, n);
+  NaturalLayout whole(comm, go, seq_dim, n);
   auto work = comm.all_gather_into_tensor(gathered, go, /*async_op=*/true);
+  whole.queue(gathered);  // beside the GEMMs below
   at::Tensor grad_h = at::empty(h.sizes(), h.options());
   mm_into(seq_chunk(grad_h, seq_dim, n, r), go, weight, false);  // own chunk beside the all-gather
-  auto queued = natural_on_comm_stream(comm, gathered, go, seq_dim, n);  // beside the peers' GEMMs
   work->wait(std::nullopt);
   const auto pieces = gathered.chunk(n, 0);
   for (int64_t j = 0; j < n; ++j) {
     if (j != r) mm_into(seq_chunk(grad_h, seq_dim, n, j), pieces[j], weight, false);  // (.., s, .., out) @ (out, in/tp)
   }
-  const at::Tensor grad_full = natural_joined(comm, std::move(queued), gathered, go, seq_dim, n);
+  const at::Tensor grad_full = whole.take(gathered);
   at::Tensor grad_w = at::mm(grad_full.reshape({-1, grad_full.size(-1)}).t(), h.reshape({-1, h.size(-1)}));
   return {grad_h, grad_w};
 }

@@ -3,10 +3,12 @@
 captured the communicator's collectives is alive, and torch's tree manager keeps its graphs until
 the process ends, so the NCCL backend drops them first.
 
-* CPU: the helper never imports inductor's CUDA-graph trees, resets them where they are loaded,
-  and the NCCL backend's destroy and abort call it before the communicator's.
+* CPU: the helper never imports inductor's CUDA-graph trees, drops them (torch._dynamo.reset) only
+  where this thread holds a tree manager, and the NCCL backend's destroy and abort call it before
+  the communicator's.
 * 2 GPUs: a function compiled with mode="reduce-overhead" around pynccl's traced all-reduce gives
-  the sum on every replay (new inputs each call), and destroy_process_group then returns in
+  the sum on every replay (new inputs each call); a subgroup's destroy drops the graphs and the
+  function, called again, compiles anew and still sums; destroy_process_group then returns in
   seconds, not after the group's timeout (it waited that long, then failed, before).
 """
 import sys
@@ -30,16 +32,38 @@ def test_nothing_to_drop_without_inductor_graph_trees(monkeypatch):
     assert TREES not in sys.modules, "the helper must not import inductor"
 
 
-def test_loaded_trees_are_reset(monkeypatch):
-    calls = []
-    monkeypatch.setitem(sys.modules, TREES, types.SimpleNamespace(reset_cudagraph_trees=lambda: calls.append(1)))
+def _fake_trees(monkeypatch, holds=True):
+    """Inductor's CUDA-graph trees stood in (loaded; this thread holds a tree manager or not), and
+    torch._dynamo.reset recorded: [] until something drops the graphs."""
+    dropped = []
+    monkeypatch.setitem(sys.modules, TREES, types.SimpleNamespace())
+    monkeypatch.setattr(compiled_graphs, "_holds_trees", lambda trees: holds)
+    import torch._dynamo
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: dropped.append("graphs dropped"))
+    return dropped
+
+
+def test_held_trees_are_dropped_through_dynamo_reset(monkeypatch):
+    dropped = _fake_trees(monkeypatch)
     assert compiled_graphs.drop_compiled_cuda_graphs() is True
-    assert calls == [1]
+    assert dropped == ["graphs dropped"]
+
+
+def test_nothing_dropped_where_this_thread_holds_no_trees(monkeypatch):
+    dropped = _fake_trees(monkeypatch, holds=False)
+    assert compiled_graphs.drop_compiled_cuda_graphs() is False
+    assert dropped == []
+
+
+def test_holds_trees_reads_torchs_thread_local_containers():
+    """On this thread no reduce-overhead function ran: no tree manager (torch's real module)."""
+    import torch._inductor.cudagraph_trees as trees
+    assert compiled_graphs._holds_trees(trees) is False
 
 
 @pytest.mark.parametrize("end", ["destroy", "abort"])
 def test_nccl_backend_drops_graphs_before_its_communicator(monkeypatch, end):
-    order = []
+    order = _fake_trees(monkeypatch)
 
     class Comm:
         def destroy(self):
@@ -48,8 +72,6 @@ def test_nccl_backend_drops_graphs_before_its_communicator(monkeypatch, end):
         def abort(self):
             order.append("comm.abort")
 
-    monkeypatch.setitem(sys.modules, TREES,
-                        types.SimpleNamespace(reset_cudagraph_trees=lambda: order.append("graphs dropped")))
     backend = object.__new__(NcclBackend)     # no communicator: only the order of the two calls is tested
     backend.comm = Comm()
     getattr(backend, end)()
@@ -70,8 +92,18 @@ def _graphs_case(rank, world):
         got = summed(x).clone()
         want = 2 * sum(r + step for r in range(world)) + 1
         assert torch.equal(got, torch.full_like(got, want)), f"step {step}: {got[:4].tolist()} != {want}"
-    import torch._inductor.cudagraph_trees as trees   # loaded by the compile above
-    assert trees is sys.modules[TREES]
+    assert compiled_graphs._holds_trees(sys.modules[TREES])
+    # a subgroup's destroy mid-run drops the graphs (and dynamo's frames): the function compiles and
+    # records anew, on the default group's communicator, which lives on
+    sub = pynccl.new_group(list(range(world)))
+    pynccl.all_reduce(torch.ones(4, device=device), group=sub)
+    pynccl.destroy_process_group(sub)
+    for step in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        x = torch.full((1024,), float(rank * step), device=device)
+        got = summed(x).clone()
+        want = 2 * sum(r * step for r in range(world)) + 1
+        assert torch.equal(got, torch.full_like(got, want)), f"after the drop, step {step}: {got[:4].tolist()}"
     torch.cuda.synchronize()
     start = time.monotonic()
     pynccl.destroy_process_group()
