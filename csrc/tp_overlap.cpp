@@ -67,6 +67,9 @@ cudaStream_t caller_stream(const Communicator& comm) {
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(comm.device())).stream();
 }
 
+// The communicator's own stream, where its async collectives run (nullptr where it has none).
+cudaStream_t comm_stream_of(const Communicator& comm) { return reinterpret_cast<cudaStream_t>(comm.stream_handle()); }
+
 // The chunks of dim seq_dim stacked rank after rank are the tensor itself: every dim before it has size 1.
 bool rank_major_is_natural(c10::IntArrayRef shape, int64_t seq_dim) {
   for (int64_t d = 0; d < seq_dim; ++d) {
@@ -110,8 +113,9 @@ class NaturalLayout {
   // kernel still uses it, and the comm stream's copy would write over that kernel's data.
   NaturalLayout(Communicator& comm, const at::Tensor& local, int64_t seq_dim, int64_t n)
       : comm_(comm), local_(local), seq_dim_(seq_dim), n_(n) {
-    const cudaStream_t comm_stream = reinterpret_cast<cudaStream_t>(comm.stream_handle());
-    if (rank_major_is_natural(local.sizes(), seq_dim) || comm_stream == nullptr || local.numel() == 0) return;
+    if (rank_major_is_natural(local.sizes(), seq_dim) || comm_stream_of(comm) == nullptr || local.numel() == 0) {
+      return;
+    }
     for (int64_t d = 0; d < seq_dim; ++d) outer_ *= local.size(d);
     row_ = static_cast<size_t>(local.numel() / outer_) * local.element_size();  // one chunk's row
     constexpr size_t kMaxPitch = 2147483647;  // cudaDevAttrMaxPitch on every CUDA GPU so far
@@ -125,7 +129,7 @@ class NaturalLayout {
   void queue(const at::Tensor& gathered) {
     if (!whole_.has_value()) return;
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(comm_.device()));
-    const cudaStream_t comm_stream = reinterpret_cast<cudaStream_t>(comm_.stream_handle());
+    const cudaStream_t comm_stream = comm_stream_of(comm_);
     char* const dst = static_cast<char*>(whole_->data_ptr());
     const char* const src = static_cast<const char*>(gathered.data_ptr());
     for (int64_t j = 0; j < n_; ++j) {
@@ -133,7 +137,7 @@ class NaturalLayout {
       //                               size_t height, cudaMemcpyKind kind, cudaStream_t stream);
       C10_CUDA_CHECK(cudaMemcpy2DAsync(dst + j * row_, n_ * row_, src + j * outer_ * row_, row_, row_,
                                        static_cast<size_t>(outer_), cudaMemcpyDeviceToDevice, comm_stream));
-      queued_ = true;
+      queued_ = true;  // per copy: one that failed after others still leaves those to join
     }
   }
 
@@ -158,7 +162,7 @@ class NaturalLayout {
     if (!queued_) return;
     queued_ = false;
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(comm_.device()));
-    comm_.order_after(caller_stream(comm_), reinterpret_cast<cudaStream_t>(comm_.stream_handle()));
+    comm_.order_after(caller_stream(comm_), comm_stream_of(comm_));
   }
 
   Communicator& comm_;
@@ -190,8 +194,8 @@ void finish_sums(Communicator& comm, const std::vector<std::shared_ptr<Work>>& w
     return;
   }
   const auto device = static_cast<c10::DeviceIndex>(comm.device());
-  const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device).stream();
-  const cudaStream_t comm_stream = reinterpret_cast<cudaStream_t>(comm.stream_handle());
+  const cudaStream_t caller = caller_stream(comm);
+  const cudaStream_t comm_stream = comm_stream_of(comm);
   {
     const c10::cuda::CUDAStreamGuard on_comm(c10::cuda::getStreamFromExternal(comm_stream, device));
     out.copy_(buf);  // NOTE: out is the caller's (allocated on its stream, which waits below before any use)

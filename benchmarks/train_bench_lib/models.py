@@ -181,7 +181,7 @@ def hf_lm_step(ctx: BenchContext, model, opt, x: torch.Tensor, autocast: bool) -
     """A training step as an HF script writes it: the model's own causal-LM loss (labels = inputs).
     Under --compile-mode reduce-overhead each step starts a new generation of CUDA-graph replays
     (torch.compiler.cudagraph_mark_step_begin), as torch asks of a training loop."""
-    graphs = ctx.compiled and getattr(ctx.args, "compile_mode", "default") == "reduce-overhead"
+    graphs = ctx.compiled and ctx.args.compile_mode == "reduce-overhead"
 
     def step():
         if graphs:

@@ -19,11 +19,12 @@ from __future__ import annotations
 import gc
 import sys
 
+import torch
+
 
 def _holds_trees(trees) -> bool:
     """Whether this thread has a CUDA-graph tree manager (torch's thread-local containers)."""
     try:
-        import torch
         if not torch._C._is_key_in_tls("tree_manager_containers"):
             return False
         containers = trees.get_obj(trees.local, "tree_manager_containers")
