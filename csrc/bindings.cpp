@@ -355,9 +355,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("weight"), py::arg("seq_dim"))
       // --- TP's all-reduces overlapped with GEMMs (tp_overlap.cpp; pynccl/tensor_parallel/async_tp_allreduce.py)
       .def("tp_linears_all_reduce_backward", &tp_linears_all_reduce_backward, py::arg("x"), py::arg("weights"),
-           py::arg("grad_ys"), py::arg("grad_x"), py::arg("scratch"))
+           py::arg("grad_ys"), py::arg("grad_x"), py::arg("scratch"), py::arg("gather") = false)
       .def("tp_linear_all_reduce", &tp_linear_all_reduce, py::arg("h"), py::arg("weight"), py::arg("chunks"),
-           py::arg("scratch"))
+           py::arg("scratch"), py::arg("gather") = false)
       .def("barrier", &Communicator::barrier, py::call_guard<py::gil_scoped_release>())
       // --- life cycle -----------------------------------------------------------------------
       .def("split", &Communicator::split, py::arg("color"), py::arg("key"), py::arg("timeout_s") = py::none(),

@@ -203,6 +203,56 @@ void finish_sums(Communicator& comm, const std::vector<std::shared_ptr<Work>>& w
   comm.order_after(caller, comm_stream);
 }
 
+// The gather path's sums: every rank's partial of an (rows, cols) result gathered into the
+// symmetric window `scratch` (an all-gather there runs on the copy engines under CTAPolicy ZERO:
+// no SM is taken from the GEMMs beside it), then summed on the caller's stream in rank order, so
+// every rank computes the same sum. Rows [lo, lo + m) of all ranks form one block of n * m rows
+// at row n * lo: rank j's partial of them is the block's j-th (m, cols) piece.
+// NOTE: the window may be reused by the next op as soon as the sums are queued: its own rows are
+// written in the caller's stream order after them, and a peer's gather writes into this rank's
+// window only once this rank's comm stream, which waits for the caller's, has joined that gather
+// (NCCL's copy-engine collectives synchronize the ranks before they copy).
+class Partials {
+ public:
+  Partials(Communicator& comm, const std::optional<at::Tensor>& scratch, const at::Tensor& like, const char* fn)
+      : comm_(comm), n_(comm.world_size()), r_(comm.rank()), cols_(like.dim() ? like.size(-1) : 1),
+        shape_(like.sizes().vec()) {
+    const int64_t nbytes = n_ * like.numel() * static_cast<int64_t>(like.element_size());
+    PYNCCL_CHECK_VALUE(scratch.has_value() && scratch->scalar_type() == at::kByte && scratch->dim() == 1 &&
+                           scratch->numel() >= nbytes,
+                       fn, ": the gathered sums need a 1-D uint8 symmetric window of at least ", nbytes,
+                       " bytes (world_size x the result's)");
+    rows_ = cols_ ? like.numel() / cols_ : 0;
+    win_ = scratch->narrow(0, 0, nbytes).view(like.scalar_type()).view({n_ * rows_, cols_});
+  }
+  // This rank's partial of rows [lo, lo + m).
+  at::Tensor own_rows(int64_t lo, int64_t m) const { return win_.narrow(0, n_ * lo + r_ * m, m); }
+  at::Tensor own() const { return own_rows(0, rows_).view(shape_); }  // shaped as the result
+  // Every rank's partial of rows [lo, lo + m), queued on the comm stream.
+  std::shared_ptr<Work> gather_rows(int64_t lo, int64_t m) {
+    return comm_.all_gather_into_tensor(win_.narrow(0, n_ * lo, n_ * m), own_rows(lo, m), /*async_op=*/true);
+  }
+  std::shared_ptr<Work> gather() { return gather_rows(0, rows_); }
+  // out = the sum over ranks of rows [lo, lo + m), in rank order (after the gather's wait).
+  void sum_rows_into(const at::Tensor& out, int64_t lo, int64_t m) const {
+    const at::Tensor block = win_.narrow(0, n_ * lo, n_ * m).view({n_, m, cols_});
+    at::Tensor o = out.view({m, cols_});
+    if (n_ == 2) {
+      at::add_out(o, block[0], block[1]);
+    } else {
+      at::sum_out(o, block, {0});
+    }
+  }
+  void sum_into(const at::Tensor& out) const { sum_rows_into(out, 0, rows_); }
+
+ private:
+  Communicator& comm_;
+  const int64_t n_, r_, cols_;
+  const std::vector<int64_t> shape_;
+  int64_t rows_ = 0;
+  at::Tensor win_;
+};
+
 using Exchange = std::tuple<std::shared_ptr<Work>, at::Tensor, at::Tensor>;  // (work, sent, received)
 
 // Sends `part` to rank `to` and receives the same shape from `frm`, in one NCCL group.
@@ -314,36 +364,74 @@ std::vector<at::Tensor> tp_linears_all_reduce_backward(Communicator& comm, const
                                                        const std::vector<at::Tensor>& weights,
                                                        const std::vector<at::Tensor>& grad_ys,
                                                        const std::optional<at::Tensor>& grad_x,
-                                                       const std::optional<at::Tensor>& scratch) {
+                                                       const std::optional<at::Tensor>& scratch, bool gather) {
+  const char* fn = "tp_linears_all_reduce_backward";
   at::Tensor grad = at::empty(x.sizes(), x.options());
-  at::Tensor sum = sum_buffer(scratch, grad, "tp_linears_all_reduce_backward");
+  std::optional<Partials> parts;
+  if (gather) parts.emplace(comm, scratch, grad, fn);
+  at::Tensor sum = parts ? parts->own() : sum_buffer(scratch, grad, fn);
   std::vector<at::Tensor> gys;  // contiguous once, for both GEMMs each
   for (const auto& gy : grad_ys) gys.push_back(gy.contiguous());
   if (grad_x.has_value()) sum.copy_(*grad_x);
   for (size_t i = 0; i < weights.size(); ++i) {  // (.., out_i/tp) @ (out_i/tp, h): this rank's part of the sum
     mm_into(sum, gys[i], weights[i], grad_x.has_value() || i > 0);
   }
-  std::vector<std::shared_ptr<Work>> works{comm.all_reduce(sum, static_cast<int>(ReduceOp::kSum), true, 1.0)};
+  std::vector<std::shared_ptr<Work>> works;
+  if (parts) {
+    works.push_back(parts->gather());
+  } else {
+    works.push_back(comm.all_reduce(sum, static_cast<int>(ReduceOp::kSum), true, 1.0));
+  }
   std::vector<at::Tensor> out{grad};
   const at::Tensor x2 = x.reshape({-1, x.size(-1)});
   for (const auto& gy : gys) out.push_back(at::mm(gy.view({-1, gy.size(-1)}).t(), x2));  // beside it
-  finish_sums(comm, works, sum, out[0]);
+  if (parts) {
+    works[0]->wait(std::nullopt);
+    parts->sum_into(grad);
+  } else {
+    finish_sums(comm, works, sum, out[0]);
+  }
   return out;
 }
 
 at::Tensor tp_linear_all_reduce(Communicator& comm, const at::Tensor& h, const at::Tensor& weight, int64_t chunks,
-                                const std::optional<at::Tensor>& scratch) {
-  PYNCCL_CHECK_VALUE(chunks >= 1, "tp_linear_all_reduce: chunks must be >= 1, got ", chunks);
+                                const std::optional<at::Tensor>& scratch, bool gather) {
+  const char* fn = "tp_linear_all_reduce";
+  PYNCCL_CHECK_VALUE(chunks >= 1, fn, ": chunks must be >= 1, got ", chunks);
   std::vector<int64_t> shape(h.sizes().begin(), h.sizes().end());
   shape.back() = weight.size(0);
   at::Tensor out = at::empty(shape, h.options());
-  const at::Tensor sum = sum_buffer(scratch, out, "tp_linear_all_reduce").view({-1, weight.size(0)});
   const at::Tensor h2 = h.reshape({-1, h.size(-1)});
   const at::Tensor wt = weight.t();
   const int64_t rows = h2.size(0), k = std::max<int64_t>(1, std::min(chunks, rows));
+  auto slice = [&](int64_t c) {  // (first row, rows): the same slices as async_tp_allreduce.row_slices
+    const int64_t lo = c * rows / k;
+    return std::make_pair(lo, (c + 1) * rows / k - lo);
+  };
+  if (gather) {
+    // Each slice's partials, rank after rank, in its own block of the window: slice c's block starts
+    // at n * lo elements' rows, so one all-gather of slice c writes every rank's partial of it. Each
+    // slice is summed as soon as its gather is done, beside the next slices' gathers.
+    const at::Tensor out2 = out.view({-1, weight.size(0)});
+    Partials parts(comm, scratch, out, fn);
+    std::vector<std::shared_ptr<Work>> works;
+    for (int64_t c = 0; c < k; ++c) {
+      const auto [lo, n] = slice(c);
+      at::Tensor own = parts.own_rows(lo, n);
+      at::mm_out(own, h2.narrow(0, lo, n), wt);
+      works.push_back(parts.gather_rows(lo, n));  // on the copy engines, beside the next slice's GEMM
+    }
+    for (int64_t c = 0; c < k; ++c) {
+      const auto [lo, n] = slice(c);
+      works[c]->wait(std::nullopt);
+      parts.sum_rows_into(out2.narrow(0, lo, n), lo, n);
+    }
+    return out;
+  }
+  const at::Tensor sum = sum_buffer(scratch, out, fn).view({-1, weight.size(0)});
   std::vector<std::shared_ptr<Work>> works;
-  for (int64_t c = 0; c < k; ++c) {  // the same slices as async_tp_allreduce.row_slices
-    const int64_t lo = c * rows / k, n = (c + 1) * rows / k - lo;
+  for (int64_t c = 0; c < k; ++c) {
+    const auto [lo, n] = slice(c);
     at::Tensor piece = sum.narrow(0, lo, n);
     at::mm_out(piece, h2.narrow(0, lo, n), wt);
     works.push_back(comm.all_reduce(piece, static_cast<int>(ReduceOp::kSum), true, 1.0));  // beside the next slice

@@ -30,15 +30,17 @@ std::vector<at::Tensor> tp_linear_reduce_scatter_backward(Communicator& comm, co
 
 
 // [sum over ranks of (grad_x + sum_i grad_y_i @ w_i), grad_y_i^T @ x for each i]. scratch: a
-// symmetric window (uint8, at least x's bytes) the sum is computed and reduced in, or none.
+// symmetric window (uint8, at least x's bytes) the sum is computed and reduced in, or none. gather:
+// instead every rank's partial is all-gathered into scratch (world_size x x's bytes; on the copy
+// engines where the communicator has them) and summed locally, in rank order.
 std::vector<at::Tensor> tp_linears_all_reduce_backward(Communicator& comm, const at::Tensor& x,
                                                        const std::vector<at::Tensor>& weights,
                                                        const std::vector<at::Tensor>& grad_ys,
                                                        const std::optional<at::Tensor>& grad_x,
-                                                       const std::optional<at::Tensor>& scratch);
+                                                       const std::optional<at::Tensor>& scratch, bool gather);
 // sum over ranks of h @ weight^T, in `chunks` token slices, each slice's all-reduce started when it is
-// computed. scratch: as above (at least the output's bytes).
+// computed. scratch, gather: as above (the output's bytes, or world_size x them).
 at::Tensor tp_linear_all_reduce(Communicator& comm, const at::Tensor& h, const at::Tensor& weight, int64_t chunks,
-                                const std::optional<at::Tensor>& scratch);
+                                const std::optional<at::Tensor>& scratch, bool gather);
 
 }  // namespace pynccl

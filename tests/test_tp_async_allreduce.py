@@ -5,7 +5,9 @@ async_tp_allreduce.py, PYNCCL_TP_ASYNC=1), on gloo:
   sum over ranks is a true sum): the readers' outputs, the replicated input's gradient summed over
   the ranks (from the outputs and from the input itself), every weight's gradient; the row-parallel
   product summed over the ranks in 1, 3 and more token slices than there are tokens, and its
-  gradients; each op's fake and schema (opcheck), also with a transposed (Conv1D) weight;
+  gradients; each op's fake and schema (opcheck), also with a transposed (Conv1D) weight; all of it
+  with each way of summing (PYNCCL_TP_ASYNC_SUM: NCCL's all-reduce, or the partials all-gathered and
+  summed locally);
   (PYNCCL_TP_ASYNC_CHUNKS: 0, the default, leaves the row-parallel all-reduce to the plain path;
   the plans run with the default and with 3 slices)
 * by plan on Hugging Face models at TP 2 (no sequence parallelism): loss, logits and every gradient
@@ -48,8 +50,22 @@ def _within(actual, expected, what, terms):
 
 def _ops_case(rank, world):
     group = pynccl.get_default_group()
+    for mode in ("all_reduce", "gather"):
+        os.environ[ar.SUM_ENV] = mode
+        try:
+            assert ar.sums_by_gather(group) == (mode == "gather")
+            _sums_case(group, rank, world, mode)
+        finally:
+            os.environ.pop(ar.SUM_ENV, None)
+    assert not ar.sums_by_gather(group), "auto on gloo: no copy engines, NCCL's all-reduce"
+    assert ar.row_slices(10, 4) == [(0, 2), (2, 3), (5, 2), (7, 3)] and ar.row_slices(2, 5) == [(0, 1), (1, 1)]
+    _error_case(group)
+    return True
+
+
+def _sums_case(group, rank, world, mode):
     for shape in ((3, 5, 8), (7, 8)):
-        what = f"{world} ranks, shape {shape}"
+        what = f"{world} ranks, {mode}, shape {shape}"
         # linears: x replicated (the same on every rank); each rank its own weights (shards), output
         # gradients and gradient of x itself, so x's gradient is a true sum over ranks
         x_whole = _seeded(shape, 0)
@@ -84,10 +100,7 @@ def _ops_case(rank, world):
             _within(h.grad, grad_out @ ws[rank], f"{what}, {chunks} slices: grad of h", 8)
             _within(w.grad, grad_out.reshape(-1, 8).t() @ hs[rank].reshape(-1, 6), f"{what}: grad of w", rows)
     _unused_and_frozen_case(group, world, rank)
-    assert ar.row_slices(10, 4) == [(0, 2), (2, 3), (5, 2), (7, 3)] and ar.row_slices(2, 5) == [(0, 1), (1, 1)]
     _opcheck_case(group)
-    _error_case(group)
-    return True
 
 
 def _unused_and_frozen_case(group, world, rank):
@@ -138,11 +151,15 @@ def _error_case(group):
     with pytest.raises(ValueError, match="chunks must be >= 1, got 0"):
         torch.ops.pynccl.tp_linear_all_reduce(x, torch.randn(4, 8, dtype=torch.float64), 0, n, name)
     os.environ["PYNCCL_TP_ASYNC_CHUNKS"] = "-1"
+    os.environ[ar.SUM_ENV] = "reduce"
     try:
         with pytest.raises(ValueError, match="PYNCCL_TP_ASYNC_CHUNKS must be a non-negative integer, got '-1'"):
             ar.chunks_requested()
+        with pytest.raises(ValueError, match="PYNCCL_TP_ASYNC_SUM must be one of auto, gather, all_reduce, got 'reduce'"):
+            torch.ops.pynccl.tp_linear_all_reduce(x, torch.randn(4, 8, dtype=torch.float64), 2, n, name)
     finally:
         os.environ.pop("PYNCCL_TP_ASYNC_CHUNKS", None)
+        os.environ.pop(ar.SUM_ENV, None)
 
 
 @pytest.mark.numerics
@@ -202,6 +219,14 @@ def _plan_case(rank, world):
             rerun = LAYERS * 2 if ckpt else 0   # checkpointed layers run their forward again in backward
             expected = {"linears": readers + rerun, "linear_all_reduce": rows + rerun if slices else 0}
             assert {k: seen.calls[k] for k in expected} == expected, f"{what}, {slices} slices: {dict(seen.calls)}"
+    os.environ[ar.SUM_ENV] = "gather"   # the partials gathered and summed locally, both ops (3 slices)
+    try:
+        what, config, plan, ckpt, _, _ = _plan_cases()[1]
+        with _Counted(3) as seen:
+            check_plan(config, plan, group, f"{what}, async TP, gathered sums", checkpointing=ckpt)
+        assert seen.calls["linears"] > 0 and seen.calls["linear_all_reduce"] > 0, dict(seen.calls)
+    finally:
+        os.environ.pop(ar.SUM_ENV, None)
     autocast_case(group, sequence_parallel=False)
     os.environ["PYNCCL_TP_ASYNC_CHUNKS"] = "3"   # and with the row-parallel all-reduce in slices (biased c_proj)
     try:
@@ -237,7 +262,9 @@ def test_all_reduce_overlap_compiles_without_graph_breaks():
 def test_all_reduce_overlap_on_nccl():
     """On NCCL the ops run in C++ (csrc/tp_overlap.cpp), on a symmetric window where the group has
     one: each output and gradient equals the Python reference's bit for bit (the same GEMMs on the
-    same slices; a sum of two fp32 terms is the same in any order), then the plans as on gloo."""
+    same slices; a sum of two fp32 terms is the same in any order), with NCCL's all-reduce and with
+    the gathered partials (on the copy engines where the group has them); then the plans as on
+    gloo, by default and with NCCL's all-reduce."""
     assert run_multiprocess(_gpu_case, 2, backend="nccl", start_method="spawn", timeout=600) == [True, True]
 
 
@@ -249,26 +276,41 @@ def _gpu_case(rank, world):
     ws = [_seeded((32, 64), 41 + rank).float().to(device), _seeded((16, 64), 43 + rank).float().to(device)]
     h = _seeded((3, 40, 48), 45 + rank).float().to(device)
     w2 = _seeded((64, 48), 47 + rank).float().to(device)
-    runs = []
-    for native in (True, False):
-        original = ar.native
-        if not native:
-            ar.native = lambda g, name: None
-        try:
-            xr, wr = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
-            x_out, ys = ar.linears(xr, wr, group)
-            (sum((y * (i + 1 + rank)).sum() for i, y in enumerate(ys)) + x_out.sum()).backward()
-            hr, w2r = h.clone().requires_grad_(), w2.clone().requires_grad_()
-            out = ar.linear_all_reduce(hr, w2r, group, 3)
-            (out * out).sum().backward()
-            runs.append([*ys, xr.grad, *[w.grad for w in wr], out, hr.grad, w2r.grad])
-        finally:
-            ar.native = original
-    for i, (a, b) in enumerate(zip(*runs)):
-        assert torch.equal(a, b), f"C++ and Python differ in result {i}"
     from pynccl.comm.symmetric import symmetric_support
-    if symmetric_support(group).available:   # then the C++ side above ran on the window
-        assert group._scratch_windows[ar._SCRATCH_KEY][0] is not None, "no symmetric window for the sums"
+    support = symmetric_support(group)
+    for mode in ("all_reduce", "gather"):
+        os.environ[ar.SUM_ENV] = mode
+        try:
+            runs = []
+            for native in (True, False):
+                original = ar.native
+                if not native:
+                    ar.native = lambda g, name: None
+                try:
+                    xr, wr = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+                    x_out, ys = ar.linears(xr, wr, group)
+                    (sum((y * (i + 1 + rank)).sum() for i, y in enumerate(ys)) + x_out.sum()).backward()
+                    hr, w2r = h.clone().requires_grad_(), w2.clone().requires_grad_()
+                    out = ar.linear_all_reduce(hr, w2r, group, 3)
+                    (out * out).sum().backward()
+                    runs.append([*ys, xr.grad, *[w.grad for w in wr], out, hr.grad, w2r.grad])
+                finally:
+                    ar.native = original
+            for i, (a, b) in enumerate(zip(*runs)):
+                assert torch.equal(a, b), f"{mode}: C++ and Python differ in result {i}"
+        finally:
+            os.environ.pop(ar.SUM_ENV, None)
+    if support.available:   # then the C++ side above ran on the windows
+        for key in (ar._SCRATCH_KEY, ar._GATHER_KEY):
+            assert group._scratch_windows[key][0] is not None, f"no symmetric window {key}"
+    assert ar.sums_by_gather(group) == support.copy_engine, "auto: gathered where the copy engines gather"
+    os.environ[ar.SUM_ENV] = "all_reduce"
+    try:
+        what, config, plan, ckpt, _, _ = _plan_cases()[0]
+        with _Counted(3):
+            check_plan(config, plan, group, f"{what}, async TP on NCCL, NCCL's all-reduce", device=device)
+    finally:
+        os.environ.pop(ar.SUM_ENV, None)
     for slices in (None, 3):
         for what, config, plan, ckpt, _, _ in _plan_cases():
             with _Counted(slices) as seen:

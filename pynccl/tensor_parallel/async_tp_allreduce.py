@@ -10,10 +10,20 @@
   `chunks` slices of the tokens, each slice's all-reduce started as soon as it is computed, so
   every all-reduce but the last runs beside the next slice's GEMM.
 
-Where the group has NCCL symmetric memory (comm/symmetric.py) the all-reduced sums are computed
-into one symmetric window per group and reduced there, so NCCL runs its symmetric kernels (a few
-CTAs, not one per channel: the GEMMs beside them keep their SMs), then copied out on the comm
-stream. Ops (opaque to dynamo and inductor; on NCCL the body is C++, csrc/tp_overlap.cpp):
+How a sum over the group is made (PYNCCL_TP_ASYNC_SUM, read at every call):
+
+* `gather` (the default where the group's all-gathers on symmetric memory run on the copy engines,
+  comm/symmetric.py): every rank's partial is computed into its slot of a symmetric window,
+  all-gathered there on the copy engines, and summed on the compute stream in rank order (every
+  rank the same sum). The copies hold no SM: a GEMM beside a 2 x 32 MiB gather slowed 4-5 %, beside
+  NCCL's 32 MiB all-reduce 29 % and beside its symmetric kernel 43 %, and the gather took 0.103 ms
+  against the all-reduce's 0.138 (2xH200, benchmarks/sm_contention.py, session 22). It moves
+  world_size - 1 partials into each rank where a ring all-reduce moves 2 (world_size - 1) / world_size.
+* `all_reduce` (the default otherwise): NCCL's all-reduce. Where the group has symmetric memory the
+  sums are computed into one symmetric window per group and reduced there (NCCL's symmetric
+  kernels), then copied out on the comm stream.
+
+Ops (opaque to dynamo and inductor; on NCCL the body is C++, csrc/tp_overlap.cpp):
 
     pynccl::tp_linears_all_reduce_backward(Tensor x, Tensor[] weights, Tensor[] grad_ys, Tensor? grad_x,
                                            int group_size, str group_name) -> Tensor[]
@@ -35,7 +45,7 @@ import torch.nn.functional as F
 from ..comm import collectives
 from ..comm.functional_collectives import _checked_group, define_op
 from ..comm.groups import resolve_group
-from ..comm.symmetric import scratch_window
+from ..comm.symmetric import scratch_window, symmetric_support
 from .overlap_ops import check_weights, compute_dtype, dense_grads, mm_into, native
 
 DEFAULT_CHUNKS = 0   # RESULTS, session 20: the sliced forward measured slower on 2xH200
@@ -58,10 +68,47 @@ def row_slices(rows: int, chunks: int) -> List[tuple]:
     return [(c * rows // k, (c + 1) * rows // k - c * rows // k) for c in range(k)]
 
 
-# The group's symmetric window for the all-reduced sums (comm/symmetric.py's scratch_window).
-# NOTE: one window per group serves every op: each op's sum is copied out before the op returns (on
-# the comm stream, which the caller's stream waits for), so the next op may reuse it.
+SUM_ENV = "PYNCCL_TP_ASYNC_SUM"
+_SUM_MODES = ("auto", "gather", "all_reduce")
+
+
+def sums_by_gather(group) -> bool:
+    """Whether this group's sums are all-gathers of the partials then a local sum (PYNCCL_TP_ASYNC_SUM:
+    auto (default): where the group's all-gathers run on the copy engines; gather; all_reduce)."""
+    mode = os.environ.get(SUM_ENV, "auto")
+    if mode not in _SUM_MODES:
+        raise ValueError(f"{SUM_ENV} must be one of {', '.join(_SUM_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return group.world_size > 1 and symmetric_support(group).copy_engine
+    return mode == "gather"
+
+
+# The group's symmetric windows (comm/symmetric.py's scratch_window), one per way of summing.
+# NOTE: one window per group serves every op: each op's sum is out of it before the op returns (on
+# the comm stream or the caller's, which the caller's stream is ordered after), so the next op may
+# reuse it.
 _SCRATCH_KEY = "tp_all_reduce"
+_GATHER_KEY = "tp_gathered_partials"
+
+
+def _native_call(g, name: str, nbytes: int, gather: bool):
+    """(the C++ body, its scratch window) on NCCL, or None: gloo, or the gather path without a
+    symmetric window (the Python reference below runs it with ordinary buffers)."""
+    body = native(g, name)
+    if body is None:
+        return None
+    if not gather:
+        return body, scratch_window(g, _SCRATCH_KEY, nbytes)
+    window = scratch_window(g, _GATHER_KEY, g.world_size * nbytes)
+    return None if window is None else (body, window)
+
+
+def _sum_gathered(parts: torch.Tensor, out: torch.Tensor) -> None:
+    """out = the sum over dim 0 of parts (every rank's partial, rank order), as the C++ body sums."""
+    if parts.shape[0] == 2:
+        torch.add(parts[0], parts[1], out=out)
+    else:
+        torch.sum(parts, dim=0, out=out)
 
 
 # --------------------------------------------------- linears, then the input grad's all-reduce
@@ -73,20 +120,27 @@ def _linears_all_reduce_backward(x: torch.Tensor, weights: List[torch.Tensor], g
     if not weights or len(grad_ys) != len(weights):
         raise ValueError(f"pynccl::tp_linears_all_reduce_backward: one output gradient per weight, at least one; "
                          f"got {len(grad_ys)} for {len(weights)} weights")
-    body = native(g, "tp_linears_all_reduce_backward")
-    if body is not None:
-        return body(x, list(weights), list(grad_ys), grad_x,
-                    scratch_window(g, _SCRATCH_KEY, x.numel() * x.element_size()))
+    gather = sums_by_gather(g)
+    call = _native_call(g, "tp_linears_all_reduce_backward", x.numel() * x.element_size(), gather)
+    if call is not None:
+        body, scratch = call
+        return body(x, list(weights), list(grad_ys), grad_x, scratch, gather)
     grad_ys = [gy.contiguous() for gy in grad_ys]       # once, for both GEMMs each
     partial = torch.empty_like(x, memory_format=torch.contiguous_format)
     if grad_x is not None:
         partial.copy_(grad_x)
     for i, (gy, w) in enumerate(zip(grad_ys, weights)):
         mm_into(partial, gy, w, accumulate=grad_x is not None or i > 0)  # (.., out_i/tp) @ (out_i/tp, h)
-    work = collectives.all_reduce(partial, group=g, async_op=True)
+    if gather:
+        parts = x.new_empty((g.world_size,) + tuple(x.shape))
+        work = collectives.all_gather_into_tensor(parts, partial, group=g, async_op=True)
+    else:
+        work = collectives.all_reduce(partial, group=g, async_op=True)
     x2 = x.reshape(-1, x.shape[-1])
-    grad_ws = [gy.reshape(-1, gy.shape[-1]).t() @ x2 for gy in grad_ys]  # beside the all-reduce
+    grad_ws = [gy.reshape(-1, gy.shape[-1]).t() @ x2 for gy in grad_ys]  # beside the collective
     work.wait()
+    if gather:
+        _sum_gathered(parts, partial)
     return [partial] + grad_ws
 
 
@@ -126,19 +180,31 @@ def _linear_all_reduce(h: torch.Tensor, weight: torch.Tensor, chunks: int, group
     if chunks < 1:
         raise ValueError(f"pynccl::tp_linear_all_reduce: chunks must be >= 1, got {chunks}")
     out_shape = tuple(h.shape[:-1]) + (weight.shape[0],)
-    body = native(g, "tp_linear_all_reduce")
-    if body is not None:
-        return body(h, weight, chunks, scratch_window(g, _SCRATCH_KEY, math.prod(out_shape) * h.element_size()))
+    gather = sums_by_gather(g)
+    call = _native_call(g, "tp_linear_all_reduce", math.prod(out_shape) * h.element_size(), gather)
+    if call is not None:
+        body, scratch = call
+        return body(h, weight, chunks, scratch, gather)
     h2 = h.reshape(-1, h.shape[-1])
     out = h.new_empty(out_shape)
     out2 = out.view(-1, out.shape[-1])
-    works = []
-    for lo, n in row_slices(h2.shape[0], chunks):
+    slices = row_slices(h2.shape[0], chunks)
+    works, blocks = [], []
+    for lo, n in slices:
+        if gather:   # every rank's partial of these rows, rank after rank (the C++ body's window layout)
+            own = h.new_empty((n, weight.shape[0]))
+            torch.mm(h2.narrow(0, lo, n), weight.t(), out=own)
+            blocks.append(h.new_empty((g.world_size, n, weight.shape[0])))
+            works.append(collectives.all_gather_into_tensor(blocks[-1], own, group=g, async_op=True))
+            continue
         piece = out2.narrow(0, lo, n)
         torch.mm(h2.narrow(0, lo, n), weight.t(), out=piece)             # this slice's partial product
         works.append(collectives.all_reduce(piece, group=g, async_op=True))  # summed beside the next slice
-    for work in works:
+    for i, work in enumerate(works):
         work.wait()
+        if gather:
+            lo, n = slices[i]
+            _sum_gathered(blocks[i], out2.narrow(0, lo, n))
     return out
 
 
