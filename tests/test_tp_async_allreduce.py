@@ -258,14 +258,17 @@ def test_all_reduce_overlap_compiles_without_graph_breaks():
 
 
 @pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_all_reduce_overlap_on_nccl():
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_reduce_overlap_on_nccl(world):
     """On NCCL the ops run in C++ (csrc/tp_overlap.cpp), on a symmetric window where the group has
     one: each output and gradient equals the Python reference's bit for bit (the same GEMMs on the
     same slices; a sum of two fp32 terms is the same in any order), with NCCL's all-reduce and with
     the gathered partials (on the copy engines where the group has them); then the plans as on
-    gloo, by default and with NCCL's all-reduce."""
-    assert run_multiprocess(_gpu_case, 2, backend="nccl", start_method="spawn", timeout=600) == [True, True]
+    gloo, by default and with NCCL's all-reduce. At 4 ranks (the C++ sum of more than two partials)
+    the gathered path only: NCCL's all-reduce of 4 terms sums in an order of its own per kernel."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    assert run_multiprocess(_gpu_case, world, backend="nccl", start_method="spawn", timeout=600) == [True] * world
 
 
 def _gpu_case(rank, world):
@@ -278,7 +281,7 @@ def _gpu_case(rank, world):
     w2 = _seeded((64, 48), 47 + rank).float().to(device)
     from pynccl.comm.symmetric import symmetric_support
     support = symmetric_support(group)
-    for mode in ("all_reduce", "gather"):
+    for mode in ("all_reduce", "gather") if world == 2 else ("gather",):
         os.environ[ar.SUM_ENV] = mode
         try:
             runs = []
@@ -301,9 +304,11 @@ def _gpu_case(rank, world):
         finally:
             os.environ.pop(ar.SUM_ENV, None)
     if support.available:   # then the C++ side above ran on the windows
-        for key in (ar._SCRATCH_KEY, ar._GATHER_KEY):
+        for key in (ar._SCRATCH_KEY, ar._GATHER_KEY) if world == 2 else (ar._GATHER_KEY,):
             assert group._scratch_windows[key][0] is not None, f"no symmetric window {key}"
     assert ar.sums_by_gather(group) == support.copy_engine, "auto: gathered where the copy engines gather"
+    if world != 2:   # the plans' test models split their heads in 2
+        return True
     os.environ[ar.SUM_ENV] = "all_reduce"
     try:
         what, config, plan, ckpt, _, _ = _plan_cases()[0]
