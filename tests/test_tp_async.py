@@ -176,7 +176,7 @@ def _plan_case(rank, world):
     # the switch is read when the plan is applied
     os.environ["PYNCCL_TP_ASYNC"] = "2"
     try:
-        with pytest.raises(ValueError, match="PYNCCL_TP_ASYNC must be 0 or 1, got '2'"):
+        with pytest.raises(ValueError, match="PYNCCL_TP_ASYNC must be auto, 0 or 1, got '2'"):
             tp.parallelize_module(transformers.LlamaForCausalLM(llama_config()), group,
                                   tp.plans.llama(sequence_parallel=True))
     finally:

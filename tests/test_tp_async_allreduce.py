@@ -169,14 +169,15 @@ def test_all_reduce_overlap_ops_match_the_whole_tensors_math(world):
 
 
 class _Counted:
-    """PYNCCL_TP_ASYNC=1 (and PYNCCL_TP_ASYNC_CHUNKS=slices, if given) for the plans built inside,
-    and how often each overlapped op ran."""
+    """PYNCCL_TP_ASYNC=flag (unset: None) and PYNCCL_TP_ASYNC_CHUNKS=slices, if given, for the plans
+    built inside, and how often each overlapped op ran."""
 
-    def __init__(self, slices=None):
-        self.slices = slices
+    def __init__(self, slices=None, flag="1"):
+        self.slices, self.flag = slices, flag
 
     def __enter__(self):
-        os.environ["PYNCCL_TP_ASYNC"] = "1"
+        if self.flag is not None:
+            os.environ["PYNCCL_TP_ASYNC"] = self.flag
         if self.slices is not None:
             os.environ["PYNCCL_TP_ASYNC_CHUNKS"] = str(self.slices)
         self.calls = collections.Counter()
@@ -227,6 +228,7 @@ def _plan_case(rank, world):
         assert seen.calls["linears"] > 0 and seen.calls["linear_all_reduce"] > 0, dict(seen.calls)
     finally:
         os.environ.pop(ar.SUM_ENV, None)
+    _default_case(group)
     autocast_case(group, sequence_parallel=False)
     os.environ["PYNCCL_TP_ASYNC_CHUNKS"] = "3"   # and with the row-parallel all-reduce in slices (biased c_proj)
     try:
@@ -234,6 +236,35 @@ def _plan_case(rank, world):
     finally:
         os.environ.pop("PYNCCL_TP_ASYNC_CHUNKS", None)
     return True
+
+
+def _default_case(group):
+    """PYNCCL_TP_ASYNC unset (auto): this overlap without sequence parallelism (forward and backward
+    values as the plain path's, check_plan), none with it (async_tp.py's ops measured slower), none
+    where PYNCCL_TP_GRAD_OVERLAP=1 asks for the eager overlap instead, none with PYNCCL_TP_ASYNC=0."""
+    from pynccl.tensor_parallel import async_tp
+    config = llama_config(use_cache=False)
+    for what, plan, flag, grad_overlap, expected in (
+            ("default", tp.plans.llama(), None, False, 2 * LAYERS + 1),
+            ("default, sequence parallel", tp.plans.llama(sequence_parallel=True), None, False, 0),
+            ("default, PYNCCL_TP_GRAD_OVERLAP=1", tp.plans.llama(), None, True, 0),
+            ("PYNCCL_TP_ASYNC=0", tp.plans.llama(), "0", False, 0)):
+        sp_gathers = collections.Counter()
+        original = async_tp.gather_linears
+
+        def counted(*a, **k):
+            sp_gathers["gather_linears"] += 1
+            return original(*a, **k)
+        async_tp.gather_linears = counted
+        if grad_overlap:
+            os.environ["PYNCCL_TP_GRAD_OVERLAP"] = "1"
+        try:
+            with _Counted(flag=flag) as seen:
+                check_plan(config, plan, group, f"llama, {what}")
+        finally:
+            async_tp.gather_linears = original
+            os.environ.pop("PYNCCL_TP_GRAD_OVERLAP", None)
+        assert seen.calls["linears"] == expected and not sp_gathers, f"{what}: {dict(seen.calls)}, {dict(sp_gathers)}"
 
 
 @pytest.mark.numerics

@@ -1,5 +1,6 @@
 """Sequence-parallel TP with each collective overlapped with the GEMMs beside it (opt-in,
-PYNCCL_TP_ASYNC=1 when parallelize_module runs; eager and torch.compile alike). The collective
+PYNCCL_TP_ASYNC=1 when parallelize_module runs; eager and torch.compile alike; enabled() below
+also decides for async_tp_allreduce.py, on by default). The collective
 matmul of Wang et al. (ASPLOS '23, "Overlap communication with dependent computation via
 decomposition"), the idea behind torch's micro-pipeline TP and Megatron's tp_comm_overlap:
 
@@ -35,16 +36,28 @@ from ..comm import collectives
 from ..comm.functional_collectives import _checked_group, define_op
 from ..comm.groups import resolve_group
 from ..comm.p2p import P2POp, batch_work, irecv, isend
+from . import batch_overlap, grad_overlap
 from .overlap_ops import check_weights, compute_dtype, dense_grads, mm_into, native
 
 PRECOMPUTED_ATTR = "_pynccl_tp_precomputed"   # tensor attribute: ((reader module, its output), ...)
 
 
-def enabled() -> bool:
-    """PYNCCL_TP_ASYNC=1: the styles built by parallelize_module from now on overlap (read there, once)."""
-    value = os.environ.get("PYNCCL_TP_ASYNC", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"PYNCCL_TP_ASYNC must be 0 or 1, got {value!r}")
+ENV = "PYNCCL_TP_ASYNC"
+
+
+def enabled(sequence_parallel: bool) -> bool:
+    """Whether the styles built by parallelize_module from now on overlap their collectives with the
+    GEMMs (read there, once), by PYNCCL_TP_ASYNC:
+    * auto (the default, unset): without sequence parallelism (async_tp_allreduce.py), unless one of
+      the eager overlaps is asked for there instead (PYNCCL_TP_GRAD_OVERLAP=1, PYNCCL_TP_BATCH_CHUNKS
+      > 1); with sequence parallelism no (this file's ops measured slower than the plain path:
+      RESULTS, session 19);
+    * 1: both; 0: neither (the plain path)."""
+    value = os.environ.get(ENV, "auto")
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV} must be auto, 0 or 1, got {value!r}")
+    if value == "auto":
+        return not sequence_parallel and not grad_overlap.enabled() and batch_overlap.chunks_requested() == 1
     return value == "1"
 
 

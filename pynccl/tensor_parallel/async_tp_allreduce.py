@@ -1,5 +1,5 @@
 """Tensor parallelism without sequence parallelism, with its all-reduces overlapped with GEMMs
-(opt-in, PYNCCL_TP_ASYNC=1 as async_tp.py; eager and torch.compile alike):
+(on by default: PYNCCL_TP_ASYNC unset or auto, or 1; async_tp.enabled; eager and torch.compile alike):
 
 * linears, then the input gradient's all-reduce (a block input read by column-parallel
   projections, or one ColwiseParallel layer with a replicated input): in backward the input
@@ -32,6 +32,13 @@ Ops (opaque to dynamo and inductor; on NCCL the body is C++, csrc/tp_overlap.cpp
         -> Tensor     sum over ranks of h @ weight^T
 
 Bias-free, as async_tp.py's: callers add a bias after (whole, once).
+
+Under autocast the input gradient's partial and its sum over ranks are in autocast's dtype, as
+Megatron's async input-gradient all-reduce (bf16); the plain path rounds each projection's
+gradient to bf16 and sums those in float32, so this path's error is about twice the plain path's
+(relative rms 2.96e-3 against 1.67e-3 of the exact sum, q|k|v at tp 2, simulated), both bf16's
+rounding. Float32 partials were measured at +0.17 ms a layer at Llama 1.1B's tp 2 shapes on an
+H200 (the extra bytes of float32 GEMM outputs and sums; benchmarks/RESULTS.md, session 23).
 """
 from __future__ import annotations
 

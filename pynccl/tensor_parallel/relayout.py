@@ -64,7 +64,11 @@ class PrepareModuleInput(ParallelStyle):
         setattr(module, STYLE_ATTR + "_input", self)
 
         readers = []                 # the ColwiseParallel layers inside, found at the first forward
-        overlap_gemm = async_tp.enabled()
+        def overlapped(layouts):     # async TP for this input: a sequence shard made whole, or replicated
+            return async_tp.enabled(sequence_parallel=layouts[0] is not None and layouts[0].is_shard())
+        arg_overlap = [overlapped(layouts) for layouts in self.arg_layouts]
+        kwarg_overlap = {k: overlapped(layouts) for k, layouts in self.kwarg_layouts.items()}
+        overlap_gemm = any(arg_overlap) or any(kwarg_overlap.values())
         chunked = []                 # set by the hook for the forward that follows: (k, where the input is)
 
         def hook(mod, args, kwargs):
@@ -88,9 +92,9 @@ class PrepareModuleInput(ParallelStyle):
                 if not readers:
                     readers.append(_colwise_readers(mod))
                 overlap = readers[0] if self._wholes(args, kwargs) == 1 else []
-            args = tuple(_relayout(a, *self.arg_layouts[i], group, overlap, gemm_readers)
+            args = tuple(_relayout(a, *self.arg_layouts[i], group, overlap, gemm_readers if arg_overlap[i] else ())
                          if i < len(self.arg_layouts) else a for i, a in enumerate(args))
-            kwargs = {k: _relayout(v, *self.kwarg_layouts[k], group, overlap, gemm_readers)
+            kwargs = {k: _relayout(v, *self.kwarg_layouts[k], group, overlap, gemm_readers if kwarg_overlap[k] else ())
                       if k in self.kwarg_layouts else v for k, v in kwargs.items()}
             return args, kwargs
 
@@ -147,7 +151,7 @@ def _colwise_readers(module: nn.Module) -> list:
 
 
 def _relayout(x, src, dst, group, readers=(), gemm_readers=()):
-    """readers: grad_overlap's (eager, opt-in); gemm_readers: async TP's (PYNCCL_TP_ASYNC=1), whose
+    """readers: grad_overlap's (eager, opt-in); gemm_readers: async TP's (async_tp.enabled), whose
     outputs are computed here, beside the all-gather of a sequence shard (async_tp.py), or, for a
     replicated x, in one node whose backward overlaps x's gradient all-reduce with their weight
     GEMMs (async_tp_allreduce.py)."""

@@ -62,7 +62,7 @@ class ColwiseParallel(ParallelStyle):
         conv1d = is_conv1d(module)
         install_shards(module, column_shards(module, group, self.num_fused, sharded))
         style, gather_output = self, self.output_layout.is_replicate()
-        overlap_gemm = async_tp.enabled()
+        overlap_gemm = async_tp.enabled(sequence_parallel=self.input_layout.is_shard())
 
         def forward(mod, x):
             if isinstance(mod, nn.Embedding):
@@ -125,7 +125,7 @@ class RowwiseParallel(ParallelStyle):
         # The sum over ranks: an all-reduce (Replicate()), or a reduce-scatter to Shard(seq_dim).
         sequence_parallel = self.output_layout.is_shard()
         seq_dim = self.output_layout.dim if sequence_parallel else 0
-        overlap_gemm = async_tp.enabled()
+        overlap_gemm = async_tp.enabled(sequence_parallel)
         slices = async_tp_allreduce.chunks_requested() if overlap_gemm and not sequence_parallel else 0
         if isinstance(module, nn.Embedding):
             start = dist.get_rank(group) * (module.num_embeddings // dist.get_world_size(group))
