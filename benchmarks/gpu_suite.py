@@ -195,6 +195,9 @@ def groups(n):
         # world-size-1 floor against FSDP2's (<= 0.5), eager and compiled per block.
         "tpscale": [_train(n, "llama1b_tpscale", f"{L1B} --batch 4 --strategy tp --compile both --floor --warmup 3 "
                                                  "--steps 8", cap=480)],
+        # What a tp rank computes with no communication, against one GPU (the bound a perfect overlap reaches).
+        "tpfloor": [("tp_rank_floor", 300, f"CUDA_VISIBLE_DEVICES=0 python3 benchmarks/tp_rank_floor.py {L1B} --batch 4 "
+                                           f"--tp {max(n, 2)} --modes eager,compiled,graphed")],
         # Where TP's step goes against one GPU's: GPU time by kernel category (--profile), eager and compiled.
         "tpprofile": [_train(n, "llama1b_tpprofile", f"{L1B} --batch 4 --strategy tp --impl pynccl --compile both "
                                                      "--floor --profile --warmup 3 --steps 6", cap=300)],

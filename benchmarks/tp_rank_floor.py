@@ -1,0 +1,108 @@
+"""What one tensor-parallel rank computes, with no communication at all, against the whole model on
+one GPU: the bound that hiding TP's collectives cannot beat.
+
+A rank of pynccl's `plans.llama()` (no sequence parallelism) keeps 1/tp of the attention heads, of
+the KV heads, of the MLP's intermediate width and of the vocabulary (embedding and LM head), and
+the norms, residuals and rotary tables whole. This builds that rank's model as a plain Hugging Face
+Llama (`rank_config`; tests/test_tp_rank_floor.py holds its parameter shapes equal to a TP rank's)
+and times it against the whole model in the same process, with train_bench's recipe for TP and its
+floor: fp32 parameters, bf16 autocast, fused AdamW, the model's own loss, each block compiled where
+asked (`compiled`: block.compile(); `graphed`: mode="reduce-overhead", each block a CUDA graph).
+The ratio is issue 27's TP scaling (step / one-GPU step) that a perfect overlap would reach.
+
+    python benchmarks/tp_rank_floor.py --model hf-llama --hidden 2048 --layers 16 --heads 32 \\
+        --kv-heads 8 --intermediate 8192 --vocab 32000 --seq 2048 --batch 4 --tp 2 --modes eager,compiled,graphed
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from train_bench_lib.models import hf_config   # the whole model as train_bench builds it
+
+L1B = {"hidden": 2048, "layers": 16, "heads": 32, "kv-heads": 8, "intermediate": 8192, "vocab": 32000, "seq": 2048}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="hf-llama", choices=["hf-llama"])
+    for name, default in L1B.items():   # train_bench's size flags, Llama 1.1B's values by default
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--modes", default="eager,compiled,graphed",
+                   help="comma-separated: eager, compiled (each block compiled), graphed (reduce-overhead)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in ("eager", "compiled", "graphed")]
+    if bad:
+        p.error(f"--modes: unknown {bad}; choose from eager, compiled, graphed")
+    return args, modes
+
+
+def rank_config(config, tp: int):
+    """The config of what one rank of plans.llama() keeps at tensor-parallel size tp: heads, KV heads,
+    intermediate width and vocabulary divided by tp, the head dim and the hidden width as they are.
+    ValueError naming the size that does not divide."""
+    import transformers
+    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+             "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    for name, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"rank_config: {name} ({size}) does not divide by tp ({tp})")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kwargs = {**config.to_dict(), **{k: v // tp for k, v in sizes.items()}, "head_dim": head_dim}
+    return transformers.LlamaConfig(**kwargs)
+
+
+def step_ms(config, mode: str, args) -> float:
+    """The median wall time of one training step (forward, backward, AdamW), synchronized."""
+    import transformers
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device)
+    if mode != "eager":
+        for block in model.model.layers:
+            block.compile(**({} if mode == "compiled" else {"mode": "reduce-overhead"}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")
+    x = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    x = x.to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(args.warmup + args.steps):
+        sync()
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return statistics.median(times[args.warmup:])
+
+
+def main(argv=None):
+    args, modes = parse_args(argv)
+    whole = hf_config(args)
+    rank = rank_config(whole, args.tp)
+    print(f"# tp_rank_floor: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x {args.seq}; a tp "
+          f"{args.tp} rank keeps {rank.num_attention_heads} heads, {rank.num_key_value_heads} KV heads, intermediate "
+          f"{rank.intermediate_size}, vocabulary {rank.vocab_size}; {torch.__version__} on {args.device}", flush=True)
+    for mode in modes:
+        one, own = step_ms(whole, mode, args), step_ms(rank, mode, args)
+        print(f"{mode}: one GPU {one:.2f} ms, a tp {args.tp} rank's compute {own:.2f} ms = {own / one:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""benchmarks/tp_rank_floor.py: the model it times as one tensor-parallel rank's compute has exactly
+the parameter shapes of a rank of pynccl's plans.llama() (gloo, tp 2, by name), so its step is what
+that rank computes with no communication; sizes that do not divide are refused; the script runs
+end to end (CPU, a tiny model) and prints each mode's ratio."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pynccl
+import pynccl.tensor_parallel as tp
+from pynccl.testing import run_multiprocess
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import tp_rank_floor  # noqa: E402
+
+from test_tp_plan import llama_config  # noqa: E402
+
+
+def _rank_shapes(rank, world):
+    config = llama_config(use_cache=False)
+    model = tp.parallelize_module(transformers.LlamaForCausalLM(config), pynccl.get_default_group(), tp.plans.llama())
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def test_rank_model_has_a_tp_ranks_parameter_shapes():
+    sharded = run_multiprocess(_rank_shapes, 2, timeout=180)
+    config = llama_config(use_cache=False)
+    own = {name: tuple(p.shape) for name, p in
+           transformers.LlamaForCausalLM(tp_rank_floor.rank_config(config, 2)).named_parameters()}
+    whole = {name: tuple(p.shape) for name, p in transformers.LlamaForCausalLM(config).named_parameters()}
+    assert sharded[0] == sharded[1] == own, {k: (sharded[0].get(k), own.get(k)) for k in own if sharded[0].get(k) != own[k]}
+    assert own != whole and sum(torch.Size(s).numel() for s in own.values()) < sum(
+        torch.Size(s).numel() for s in whole.values())
+
+
+def test_sizes_that_do_not_divide_are_refused():
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\) does not divide by tp \(4\)"):
+        tp_rank_floor.rank_config(llama_config(heads=4, kv_heads=2), 4)
+
+
+def test_script_runs_and_prints_each_modes_ratio():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tp_rank_floor.py"), "--device", "cpu",
+                          "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
+                          "--vocab", "128", "--seq", "16", "--batch", "2", "--modes", "eager", "--steps", "2",
+                          "--warmup", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "a tp 2 rank keeps 2 heads, 1 KV heads, intermediate 64, vocabulary 64" in out.stdout, out.stdout
+    line = re.search(r"^eager: one GPU ([\d.]+) ms, a tp 2 rank's compute ([\d.]+) ms = ([\d.]+)$", out.stdout, re.M)
+    assert line and float(line[1]) > 0 and float(line[2]) > 0, out.stdout
+    assert abs(float(line[3]) - float(line[2]) / float(line[1])) < 1e-3 + 1e-3 * float(line[3]), line[0]
