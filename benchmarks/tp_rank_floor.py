@@ -10,6 +10,13 @@ floor: fp32 parameters, bf16 autocast, fused AdamW, the model's own loss, each b
 asked (`compiled`: block.compile(); `graphed`: mode="reduce-overhead", each block a CUDA graph).
 The ratio is issue 27's TP scaling (step / one-GPU step) that a perfect overlap would reach.
 
+--sequence-parallel: a rank of `plans.llama(sequence_parallel=True)` instead, emulated on the same
+rank model by hooks (`sequence_parallel_hooks`): the decoder layers, their norms and residuals and
+the final norm see this rank's 1/tp of the sequence; each attention and MLP block's input is made
+whole (the all-gather, here a concatenation: its local copy, no wire) and its output cut to the
+rank's shard (the reduce-scatter, here a slice); the LM head reads the whole sequence. The test
+holds every hooked module's input and output shapes equal to a gloo SP rank's.
+
     python benchmarks/tp_rank_floor.py --model hf-llama --hidden 2048 --layers 16 --heads 32 \\
         --kv-heads 8 --intermediate 8192 --vocab 32000 --seq 2048 --batch 4 --tp 2 --modes eager,compiled,graphed
 """
@@ -33,6 +40,8 @@ def parse_args(argv=None):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="a rank of plans.llama(sequence_parallel=True), emulated (module docstring)")
     p.add_argument("--modes", default="eager,compiled,graphed",
                    help="comma-separated: eager, compiled (each block compiled), graphed (reduce-overhead)")
     p.add_argument("--steps", type=int, default=10)
@@ -61,12 +70,47 @@ def rank_config(config, tp: int):
     return transformers.LlamaConfig(**kwargs)
 
 
-def step_ms(config, mode: str, args) -> float:
+def _on_hidden(fn):
+    """A forward pre-hook applying fn to the module's hidden states, positional or keyword."""
+    def hook(module, args, kwargs):
+        if args:
+            return (fn(args[0]),) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    return hook
+
+
+def _on_output(fn):
+    """A forward hook applying fn to the module's output (the first element of a tuple)."""
+    def hook(module, args, output):
+        return (fn(output[0]),) + tuple(output[1:]) if isinstance(output, tuple) else fn(output)
+    return hook
+
+
+def sequence_parallel_hooks(model, tp: int) -> list:
+    """Make a rank model (rank_config) compute as a rank of plans.llama(sequence_parallel=True), with
+    local stand-ins for its collectives (module docstring); returns the hook handles."""
+    def shard(t):      # the reduce-scatter's output shape: this rank's 1/tp of the sequence (dim 1)
+        return t.narrow(1, 0, t.shape[1] // tp)
+
+    def whole(t):      # the all-gather's: tp shards side by side
+        return torch.cat([t] * tp, dim=1)
+    handles = [model.model.layers[0].register_forward_pre_hook(_on_hidden(shard), with_kwargs=True),
+               model.lm_head.register_forward_pre_hook(_on_hidden(whole), with_kwargs=True)]
+    for layer in model.model.layers:
+        for block in (layer.self_attn, layer.mlp):
+            handles.append(block.register_forward_pre_hook(_on_hidden(whole), with_kwargs=True))
+            handles.append(block.register_forward_hook(_on_output(shard)))
+    return handles
+
+
+def step_ms(config, mode: str, args, sequence_parallel: bool = False) -> float:
     """The median wall time of one training step (forward, backward, AdamW), synchronized."""
     import transformers
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device)
+    if sequence_parallel:
+        sequence_parallel_hooks(model, args.tp)
     if mode != "eager":
         for block in model.model.layers:
             block.compile(**({} if mode == "compiled" else {"mode": "reduce-overhead"}))
@@ -96,12 +140,16 @@ def main(argv=None):
     args, modes = parse_args(argv)
     whole = hf_config(args)
     rank = rank_config(whole, args.tp)
+    sp = args.sequence_parallel
     print(f"# tp_rank_floor: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x {args.seq}; a tp "
           f"{args.tp} rank keeps {rank.num_attention_heads} heads, {rank.num_key_value_heads} KV heads, intermediate "
-          f"{rank.intermediate_size}, vocabulary {rank.vocab_size}; {torch.__version__} on {args.device}", flush=True)
+          f"{rank.intermediate_size}, vocabulary {rank.vocab_size}{', sequence parallel' if sp else ''}; "
+          f"{torch.__version__} on {args.device}", flush=True)
+    what = "sequence-parallel rank's" if sp else "rank's"
     for mode in modes:
-        one, own = step_ms(whole, mode, args), step_ms(rank, mode, args)
-        print(f"{mode}: one GPU {one:.2f} ms, a tp {args.tp} rank's compute {own:.2f} ms = {own / one:.3f}", flush=True)
+        one, own = step_ms(whole, mode, args), step_ms(rank, mode, args, sp)
+        print(f"{mode}: one GPU {one:.2f} ms, a tp {args.tp} {what} compute {own:.2f} ms = {own / one:.3f}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """benchmarks/tp_rank_floor.py: the model it times as one tensor-parallel rank's compute has exactly
 the parameter shapes of a rank of pynccl's plans.llama() (gloo, tp 2, by name), so its step is what
-that rank computes with no communication; sizes that do not divide are refused; the script runs
-end to end (CPU, a tiny model) and prints each mode's ratio."""
+that rank computes with no communication; with --sequence-parallel every norm, attention and MLP
+block and the LM head see the shapes a rank of plans.llama(sequence_parallel=True) sees; sizes that
+do not divide are refused; the script runs end to end (CPU, a tiny model) and prints each mode's
+ratio."""
 import os
 import re
 import subprocess
@@ -38,6 +40,46 @@ def test_rank_model_has_a_tp_ranks_parameter_shapes():
     assert sharded[0] == sharded[1] == own, {k: (sharded[0].get(k), own.get(k)) for k in own if sharded[0].get(k) != own[k]}
     assert own != whole and sum(torch.Size(s).numel() for s in own.values()) < sum(
         torch.Size(s).numel() for s in whole.values())
+
+
+def _recorded_shapes(model):
+    """Runs one forward and backward of the tiny Llama; returns (module, 'in' | 'out', shape) for every
+    norm, attention and MLP block and the LM head's output, as hooks registered last see them (the SP
+    plan's LM head gathers its input inside its forward, the emulation in a pre-hook: its output
+    shows both)."""
+    seen = []
+
+    def first(t):
+        return t[0] if isinstance(t, tuple) else t
+    for name, mod in model.named_modules():
+        if name.endswith(("layernorm", "self_attn", "mlp")) or name in ("model.norm", "lm_head"):
+            if name == "lm_head":
+                mod.register_forward_hook(lambda m, a, o: seen.append(("lm_head", "out", tuple(o.shape))))
+                continue
+            mod.register_forward_pre_hook(lambda m, a, k, name=name: seen.append(
+                (name, "in", tuple(first(a).shape if a else k["hidden_states"].shape))), with_kwargs=True)
+            mod.register_forward_hook(lambda m, a, o, name=name: seen.append((name, "out", tuple(first(o).shape))))
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))   # ids the rank model has too
+    model(input_ids=x, labels=x).loss.backward()
+    return seen
+
+
+def _sp_rank_shapes(rank, world):
+    model = tp.parallelize_module(transformers.LlamaForCausalLM(llama_config(use_cache=False)),
+                                  pynccl.get_default_group(), tp.plans.llama(sequence_parallel=True))
+    return _recorded_shapes(model)
+
+
+def test_sequence_parallel_emulation_has_an_sp_ranks_shapes():
+    """The norms and residuals on 4 of 8 tokens, each block's input whole and its output the shard,
+    the logits whole in the sequence and half the vocabulary: as a gloo rank of the SP plan."""
+    real = run_multiprocess(_sp_rank_shapes, 2, timeout=180)
+    model = transformers.LlamaForCausalLM(tp_rank_floor.rank_config(llama_config(use_cache=False), 2))
+    tp_rank_floor.sequence_parallel_hooks(model, 2)
+    emulated = _recorded_shapes(model)
+    assert real[0] == real[1] == emulated, [(r, e) for r, e in zip(real[0], emulated) if r != e]
+    assert ("model.layers.0.input_layernorm", "in", (2, 4, 64)) in emulated
+    assert ("model.layers.0.mlp", "in", (2, 8, 64)) in emulated and ("lm_head", "out", (2, 8, 64)) in emulated
 
 
 def test_sizes_that_do_not_divide_are_refused():
