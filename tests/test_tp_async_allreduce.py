@@ -242,9 +242,9 @@ def _default_case(group):
     """PYNCCL_TP_ASYNC unset (auto): this overlap without sequence parallelism (forward and backward
     values as the plain path's, check_plan), none with it (async_tp.py's ops measured slower), none
     where PYNCCL_TP_GRAD_OVERLAP=1 asks for the eager overlap instead, none with PYNCCL_TP_ASYNC=0."""
-    from pynccl.tensor_parallel import async_tp
+    from pynccl.tensor_parallel import async_tp, grad_overlap
     config = llama_config(use_cache=False)
-    for what, plan, flag, grad_overlap, expected in (
+    for what, plan, flag, eager_overlap, expected in (
             ("default", tp.plans.llama(), None, False, 2 * LAYERS + 1),
             ("default, sequence parallel", tp.plans.llama(sequence_parallel=True), None, False, 0),
             ("default, PYNCCL_TP_GRAD_OVERLAP=1", tp.plans.llama(), None, True, 0),
@@ -256,14 +256,14 @@ def _default_case(group):
             sp_gathers["gather_linears"] += 1
             return original(*a, **k)
         async_tp.gather_linears = counted
-        if grad_overlap:
-            os.environ["PYNCCL_TP_GRAD_OVERLAP"] = "1"
+        if eager_overlap:
+            os.environ[grad_overlap.ENV] = "1"
         try:
             with _Counted(flag=flag) as seen:
                 check_plan(config, plan, group, f"llama, {what}")
         finally:
             async_tp.gather_linears = original
-            os.environ.pop("PYNCCL_TP_GRAD_OVERLAP", None)
+            os.environ.pop(grad_overlap.ENV, None)
         assert seen.calls["linears"] == expected and not sp_gathers, f"{what}: {dict(seen.calls)}, {dict(sp_gathers)}"
 
 

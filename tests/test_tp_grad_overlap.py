@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pynccl.tensor_parallel as tp
-from pynccl.tensor_parallel import grad_overlap
+from pynccl.tensor_parallel import async_tp, grad_overlap
 from pynccl.testing import run_multiprocess
 
 transformers = pytest.importorskip("transformers")
@@ -22,7 +22,7 @@ from test_tp_plan import build, gpt2_config, llama_config, tokens  # noqa: E402
 def _grads(config, plan, overlap: bool, checkpointing=None):
     """checkpointing: None, or use_reentrant (True: torch's reentrant checkpoint, False: non-reentrant)."""
     os.environ[grad_overlap.ENV] = "1" if overlap else "0"
-    os.environ["PYNCCL_TP_ASYNC"] = "0"   # the plain path, not the default overlap (async_tp_allreduce.py)
+    os.environ[async_tp.ENV] = "0"   # the plain path, not the default overlap (async_tp_allreduce.py)
     try:
         model = tp.parallelize_module(copy.deepcopy(build(config)), None, plan)
         if checkpointing is not None:
@@ -34,7 +34,7 @@ def _grads(config, plan, overlap: bool, checkpointing=None):
         return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
     finally:
         os.environ.pop(grad_overlap.ENV, None)
-        os.environ.pop("PYNCCL_TP_ASYNC", None)
+        os.environ.pop(async_tp.ENV, None)
 
 
 def _counting(log):
