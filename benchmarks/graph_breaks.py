@@ -307,7 +307,7 @@ def main(argv=None):
     if "RANK" in os.environ:
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     from pynccl.testing import run_multiprocess
-    return run_multiprocess(worker, args.nproc, backend=None, timeout=1800, args=(args,))[0]
+    return run_multiprocess(worker, args.nproc, backend=None, timeout=1800, args=(args,), cuda=args.device == "cuda")[0]
 
 
 if __name__ == "__main__":

@@ -131,6 +131,14 @@ def _both(rank, ws, *, opt="plain-sgd", accumulate=1, seq_of=None, padding_idx=N
     assert all(torch.equal(everyone[0], x) for x in everyone), "the tied weight differs across ranks"
 
 
+def _twice_seq(rank):
+    return 2 * SEQ
+
+
+def _seq_less_rank(rank):
+    return SEQ - rank
+
+
 def _run(fn, ws=2, **kw):
     run_multiprocess(fn, ws, backend="gloo", timeout=300, kwargs=kw)
 
@@ -191,7 +199,7 @@ def test_environment_values_and_bad_ones():
 def test_many_tokens_take_the_dense_fallback(opt):
     """3 ranks x ~36 distinct tokens of 48 > VOCAB: the gathered rows would outweigh the dense
     gradient, so the rest is all-reduced densely at the end instead; still equal to torch DDP."""
-    _run(_both, ws=3, opt=opt, seq_of=lambda r: 2 * SEQ, exchange="dense")
+    _run(_both, ws=3, opt=opt, seq_of=_twice_seq, exchange="dense")
 
 
 def _steps_aside(rank, ws, what):
@@ -253,7 +261,7 @@ def test_the_default_steps_aside_for_features_that_need_the_plain_path(what):
 def test_three_ranks_uneven_token_counts():
     """Rank r feeds SEQ - r tokens per sequence: every rank's rows are padded to the largest count
     (with id 0 and zero rows; token 0 is looked up, so a padding row with values would show)."""
-    _run(_both, ws=3, seq_of=lambda r: SEQ - r, token_zero=True)
+    _run(_both, ws=3, seq_of=_seq_less_rank, token_zero=True)
 
 
 @pytest.mark.numerics

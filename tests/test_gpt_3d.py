@@ -332,3 +332,17 @@ def test_gpu_layouts_match_one_gpu(tmp_path):
     for name, (losses, norms, start) in out.items():
         assert_close_rel(losses, ref[0][start:], f"{n} GPUs, {name} loss")
         assert_close_rel(norms, ref[1][start:], f"{n} GPUs, {name} grad norm")
+
+
+@pytest.mark.parametrize("gpus, local_ranks, built, expected", [(0, 2, True, "gloo"), (1, 2, True, "gloo"),
+                                                                (2, 2, True, "nccl"), (2, 2, False, "gloo"),
+                                                                (1, 1, True, "nccl")])
+def test_examples_take_nccl_only_with_a_gpu_per_local_rank(monkeypatch, gpus, local_ranks, built, expected):
+    """The README's first command (`torchrun --nproc_per_node 2 examples/train_gpt.py`) on a machine
+    with one GPU: two ranks cannot share it on NCCL, so they run on gloo."""
+    import launch
+    import pynccl
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(pynccl, "is_nccl_available", lambda: built)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    assert launch.backend() == expected

@@ -38,6 +38,11 @@ GROUP_TIMEOUT_S = 5.0
 LOSS_RTOL = GRAD_RTOL
 
 
+def node_gpus(backend, per_node):
+    """A GPU per rank on NCCL; on gloo none, even on a GPU host (CPU nodes see no GPU)."""
+    return per_node if backend == "nccl" else 0
+
+
 def worker_env(tmp_path, backend, timeout_s, **extra):
     return {"MN_BACKEND": backend, "MN_OUT": str(tmp_path), "MN_TIMEOUT": str(timeout_s),
             "PYNCCL_FLIGHT_RECORDER_DIR": str(tmp_path / "flight"),
@@ -54,7 +59,8 @@ def run_checks(tmp_path, backend, per_node):
     """The checks scenario; returns each rank's result."""
     ws = NNODES * per_node
     launched = time.time()
-    run_nodes([WORKER, "checks"], NNODES, per_node, timeout=400, env=worker_env(tmp_path, backend, 120))
+    run_nodes([WORKER, "checks"], NNODES, per_node, timeout=400, env=worker_env(tmp_path, backend, 120),
+              gpus_per_node=node_gpus(backend, per_node))
     results = [read_json(tmp_path / f"checks_rank{r}.json") for r in range(ws)]
     print(f"rank 0: started {results[0]['started'] - launched:.1f} s after the launch; seconds per phase "
           f"{results[0]['timings']}")
@@ -85,7 +91,8 @@ def run_node_death(tmp_path, backend, per_node, timeout_s):
     the kill to the end of its process, and how it ended."""
     bound = timeout_s + 5.0
     env = worker_env(tmp_path, backend, timeout_s)
-    with TorchrunNodes([WORKER, "node_death"], NNODES, per_node, env=env) as nodes:
+    with TorchrunNodes([WORKER, "node_death"], NNODES, per_node, env=env,
+                       gpus_per_node=node_gpus(backend, per_node)) as nodes:
         marker = tmp_path / "victim_agent"
         deadline = time.monotonic() + 180
         while not marker.exists() and time.monotonic() < deadline and all(p.poll() is None for p in nodes.procs):
@@ -140,7 +147,7 @@ def reference_losses(steps, device="cpu"):
 
 def run_resume(tmp_path, backend, per_node, loss_rtol, param_atol):
     run_nodes([WORKER, "resume"], NNODES, per_node, timeout=400, max_restarts=1,
-              env=worker_env(tmp_path, backend, 30, MN_KILL_STEP="5"))
+              gpus_per_node=node_gpus(backend, per_node), env=worker_env(tmp_path, backend, 30, MN_KILL_STEP="5"))
     lines = [json.loads(line) for line in (tmp_path / "losses.jsonl").read_text().splitlines()]
     runs = {}
     for line in lines:

@@ -3,6 +3,7 @@ isolated build asks for, and the warning when a GPU is visible but pynccl._C is 
 themselves (pip install ., sdist -> wheel) run in .ci/check_package."""
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -49,11 +50,15 @@ def test_build_against_another_torch_than_installed_stops_with_the_fix(monkeypat
     same = {"dist_version": "x", "version": torch.__version__, "cuda": torch.version.cuda}
     monkeypatch.setattr(build_backend, "target_torch", lambda: same)
     setup.check_build_torch_matches_target(torch)  # the installed torch: nothing to say
-    monkeypatch.setattr(build_backend, "target_torch", lambda: dict(same, version="2.11.0+cu130"))
-    with pytest.raises(SystemExit, match=r"installed into has torch 2\.11\.0\+cu130 .*--no-build-isolation"):
+    # Another torch than the installed one, whichever that is (on a host with torch 2.11.0+cu130 a
+    # literal "2.11.0+cu130" would be the same one).
+    other = "2.11.0+cu130" if torch.__version__ != "2.11.0+cu130" else "2.12.0+cu130"
+    monkeypatch.setattr(build_backend, "target_torch", lambda: dict(same, version=other))
+    with pytest.raises(SystemExit, match=rf"installed into has torch {re.escape(other)} .*--no-build-isolation"):
         setup.check_build_torch_matches_target(torch)
-    monkeypatch.setattr(build_backend, "target_torch", lambda: dict(same, cuda="12.8"))
-    with pytest.raises(SystemExit, match=r"\(CUDA 12\.8\)"):
+    other_cuda = "12.8" if torch.version.cuda != "12.8" else "13.0"
+    monkeypatch.setattr(build_backend, "target_torch", lambda: dict(same, cuda=other_cuda))
+    with pytest.raises(SystemExit, match=rf"\(CUDA {re.escape(other_cuda)}\)"):
         setup.check_build_torch_matches_target(torch)
 
 

@@ -101,6 +101,9 @@ def test_train_llama_layouts_match_one_process(tmp_path):
 
 
 def test_train_llama_one_process_prints_losses(capsys):
+    """One process, no launcher: the default backend's device (on a GPU host with pynccl._C, CUDA)."""
+    from pynccl.comm.backend_names import _default_backend
+    device = "cuda" if _default_backend() == "nccl" else "cpu"
     train_llama.main(["--steps", "2", "--log-every", "1"])
     out = capsys.readouterr().out
-    assert "dp1·tp1 on 1 cpu process(es), no data parallelism" in out and "step    1  loss" in out, out
+    assert f"dp1·tp1 on 1 {device} process(es), no data parallelism" in out and "step    1  loss" in out, out

@@ -29,17 +29,16 @@ def test_cpu_never_waits():
     assert pacer.waits == 0
 
 
-def test_bad_lead_is_refused_when_wrapping(monkeypatch):
+def _bad_lead_case(rank, ws):
     import pynccl
+    with pytest.raises(ValueError, match=ENV):
+        pynccl.FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), stage=3)
+    return True
+
+
+def test_bad_lead_is_refused_when_wrapping(monkeypatch):
     from pynccl.testing import run_multiprocess
-    monkeypatch.setenv(ENV, "-3")
-
-    def case(rank, ws):
-        with pytest.raises(ValueError, match=ENV):
-            pynccl.FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), stage=3)
-        return True
-
-    assert run_multiprocess(case, 1, backend="gloo") == [True]
+    assert run_multiprocess(_bad_lead_case, 1, backend="gloo", env={ENV: "-3"}) == [True]
 
 
 def test_a_gpu_that_never_gets_there_raises_instead_of_hanging(monkeypatch):

@@ -7,14 +7,13 @@ few seconds to notice, then are stopped, so that a broken run never hangs.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 import time
 
 import torch
 
-from pynccl.testing import find_free_port
+from pynccl.testing import find_free_port, process_start
 
 GRACE_S = 10.0  # how long the other ranks may keep running after one failed
 
@@ -43,13 +42,15 @@ def launch(opts, backend: str) -> int:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "WORLD_SIZE": str(n),
            "LOCAL_WORLD_SIZE": str(n)}
     threads = max(1, (os.cpu_count() or 1) // n) if backend == "gloo" else None
-    method = "fork" if backend == "gloo" and not torch.cuda.is_initialized() else "spawn"
-    ctx = mp.get_context(method)
+    cuda = backend == "nccl"
+    method = process_start.choose(cuda)
+    ctx = process_start.context(method, cuda)
     sys.stdout.flush()
     sys.stderr.flush()
-    procs = [ctx.Process(target=_child, name=f"rank{r}", args=(r, env, opts, backend, threads)) for r in range(n)]
-    for p in procs:
-        p.start()
+    procs = [ctx.Process(target=_child, name=f"rank{r}",
+                         args=(r, env, opts, backend, threads, process_start.as_this_process(method, cuda)))
+             for r in range(n)]
+    process_start.start(procs, method, cuda)
     return _wait(procs)
 
 
@@ -71,7 +72,7 @@ def launch_nodes(opts, backend: str) -> int:
           f"NCCL_HOSTID per node)", flush=True)
     threads = max(1, (os.cpu_count() or 1) // (opts.nnodes * per_node)) if backend == "gloo" else 1
     nodes = TorchrunNodes(["-m", "pynccl.bench", *args], opts.nnodes, per_node, capture=False,
-                          env={"OMP_NUM_THREADS": str(threads)})
+                          env={"OMP_NUM_THREADS": str(threads)}, gpus_per_node=per_node if backend == "nccl" else 0)
     with nodes:
         runs = nodes.wait(opts.timeout + 120)
     codes = [r.returncode for r in runs]
@@ -95,7 +96,8 @@ def _without(argv, flags) -> list:
     return out
 
 
-def _child(rank: int, env: dict, opts, backend: str, threads) -> None:
+def _child(rank: int, env: dict, opts, backend: str, threads, as_this_process=None) -> None:
+    # as_this_process: process_start.as_this_process's marker, acted on as it was unpickled
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     if threads is not None:

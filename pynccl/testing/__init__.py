@@ -8,8 +8,8 @@ code checked, the failing rank named with its traceback.
 
     run_multiprocess(case, world_size=3)
 
-Processes are forked when the parent has not initialised CUDA (much faster than spawn:
-torch is already imported), and spawned otherwise.
+How the ranks start (fork, spawn, or a fork server whose children see no GPU) is process_start.py's
+rule: a CPU test runs on a GPU host as it runs on a CPU machine.
 
 reference_models.py holds the unsharded GPT-2 modules that tests and benchmarks compare the
 tensor-parallel ones against; multinode.py starts N torchrun agents on one host, each a node.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import faulthandler
 import gc
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
@@ -29,6 +28,8 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+
+from . import process_start
 
 
 class MultiProcessError(AssertionError):
@@ -41,7 +42,9 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, env, backend, init_kwargs, args, kwargs, results, stack_path=None):
+def _child(fn, rank, world_size, env, backend, init_kwargs, args, kwargs, results, stack_path=None,
+           as_this_process=None):
+    # as_this_process: process_start.as_this_process's marker, acted on as it was unpickled
     if stack_path is not None:
         # The parent sends SIGUSR1 to a rank that outlives the timeout: every thread's Python
         # stack goes to this file, so the error says where the rank hung.
@@ -86,10 +89,9 @@ def _child(fn, rank, world_size, env, backend, init_kwargs, args, kwargs, result
     os._exit(code)
 
 
-def _collect(procs, results, world_size: int, timeout: float, stack_paths: List[str]):
-    """Start the ranks and wait for them: (outcomes by rank, hung ranks, their stacks)."""
-    for p in procs:
-        p.start()
+def _collect(procs, results, world_size: int, timeout: float, stack_paths: List[str], start: Callable):
+    """Start the ranks (start(procs)) and wait for them: (outcomes by rank, hung ranks, their stacks)."""
+    start(procs)
     outcomes: Dict[int, tuple] = {}
     deadline = time.monotonic() + timeout
     while len(outcomes) < world_size and time.monotonic() < deadline:
@@ -132,16 +134,19 @@ def _collect(procs, results, world_size: int, timeout: float, stack_paths: List[
 def run_multiprocess(fn: Callable, world_size: int, backend: Optional[str] = "gloo", timeout: float = 120.0,
                      args: tuple = (), kwargs: Optional[dict] = None, env: Optional[Dict[str, str]] = None,
                      init_kwargs: Optional[dict] = None, start_method: Optional[str] = None,
-                     expect_failure_ranks: Optional[List[int]] = None) -> List[Any]:
+                     expect_failure_ranks: Optional[List[int]] = None, cuda: Optional[bool] = None) -> List[Any]:
     """Run fn(rank, world_size, *args, **kwargs) on `world_size` processes.
 
     With backend set, each process calls pynccl.init_process_group(backend) first and
     destroy_process_group() after. Returns the per-rank return values. Raises
     MultiProcessError naming every rank that raised, exited non-zero or outlived `timeout`.
+    cuda: whether the ranks use the GPU (default: backend "nccl" or start_method "spawn"); ranks
+    that do not use it see none on a GPU host. start_method: process_start.choose's rule if None.
     """
-    if start_method is None:
-        start_method = "spawn" if torch.cuda.is_initialized() else "fork"
-    ctx = mp.get_context(start_method)
+    if cuda is None:
+        cuda = backend == "nccl" or start_method == "spawn"
+    start_method = process_start.choose(cuda, start_method)
+    ctx = process_start.context(start_method, cuda)
     full_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()),
                 "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
     full_env.update(env or {})
@@ -150,10 +155,11 @@ def run_multiprocess(fn: Callable, world_size: int, backend: Optional[str] = "gl
     stack_paths = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(world_size)]
     procs = [ctx.Process(target=_child, name=f"rank{r}",
                          args=(fn, r, world_size, full_env, backend, init_kwargs or {}, args, kwargs or {}, results,
-                               stack_paths[r]))
+                               stack_paths[r], process_start.as_this_process(start_method, cuda)))
              for r in range(world_size)]
     try:
-        outcomes, hung, stacks = _collect(procs, results, world_size, timeout, stack_paths)
+        outcomes, hung, stacks = _collect(procs, results, world_size, timeout, stack_paths,
+                                          lambda ps: process_start.start(ps, start_method, cuda))
     finally:
         for p in procs:                    # e.g. Ctrl-C while waiting: no rank outlives the call
             if p.pid is not None and p.is_alive():

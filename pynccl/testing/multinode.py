@@ -7,7 +7,8 @@ Each agent runs `torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d --rd
 own workers (--max-restarts) and can be killed alone. All traffic stays on the loopback interface
 (socket_env): gloo on lo, and NCCL on its network transport over sockets (P2P and shared memory
 off, InfiniBand off, a NCCL_HOSTID per node so that NCCL counts N hosts). With GPUs agent i sees
-GPUs [i*K, (i+1)*K) only. Every exit code is checked, within a bounded time, and a failure shows
+GPUs [i*K, (i+1)*K) only (gpus_per_node: K by default where a GPU is visible; 0: CPU nodes, which see
+no GPU). Every exit code is checked, within a bounded time, and a failure shows
 the failing node's output (torchrun tees each worker's lines into it, prefixed by local rank).
 
 kill_node(i) SIGKILLs agent i and every process under it: torchrun starts its workers in sessions
@@ -125,11 +126,18 @@ class TorchrunNodes:
         gpus = self.gpus_per_node
         if gpus is None:
             gpus = self.nproc_per_node if _cuda_device_count() else 0
-        if gpus:
-            # NOTE: through the parent's own CUDA_VISIBLE_DEVICES, if it has one.
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            devices = visible.split(",") if visible else [str(i) for i in range(_cuda_device_count())]
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[node * gpus + g] for g in range(gpus))
+        if not gpus:
+            # CPU nodes see no GPU, as on a host without one (process_start.py: a CPU rank that
+            # finds a GPU has torch code touch it: AdamW's capture check, dynamo's RNG state).
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            return env
+        # NOTE: through the parent's own CUDA_VISIBLE_DEVICES, if it has one.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(_cuda_device_count())]
+        if len(devices) < self.nnodes * gpus:
+            raise ValueError(f"TorchrunNodes: {self.nnodes} nodes × {gpus} GPU(s) need {self.nnodes * gpus} GPUs, "
+                             f"{len(devices)} visible; pass gpus_per_node=0 for nodes on CPU")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[node * gpus + g] for g in range(gpus))
         return env
 
     def start(self) -> "TorchrunNodes":
