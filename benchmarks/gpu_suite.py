@@ -32,7 +32,8 @@ TESTS = "python3 -m pytest -q -rA -p no:cacheprovider"
 SUMMARY = re.compile(r"^(# |strategy|zero|pp-|ddp|tp|mode|no DDP|torch DDP|pynccl DDP|\s*\d+(\.\d+)? |FAILED|ERROR|"
                      r"XFAIL|\{|[=]+ .*(passed|failed))|passed|failed|Error")
 # Names that run several groups in order (the old run_train_bench.sh session).
-ALIASES = {"train": ["zero_gpt2", "zero3", "tp", "pp", "ddp_llama", "tp3b", "train_summary"]}
+ALIASES = {"train": ["zero_gpt2", "zero3", "tp", "pp", "ddp_llama", "tp3b", "train_summary"],
+           "suite": ["suite1", "suite2", "suite3", "suite4"]}
 
 
 def _torchrun(n, script, args):
@@ -56,6 +57,16 @@ def _sweep(n, name, args, cap):
                        f"-J {{out}}/{name}_{{{{op}}}}.json")
 
 
+SHARDS = 4
+
+
+def _suite_shard(k):
+    """The README's test command (`pytest -q`: CPU and GPU tests in one process per shard, as a user
+    on a GPU machine runs it), one of SHARDS parts by test file, so each fits one capped call."""
+    files = sorted(f for f in os.listdir(os.path.join(ROOT, "tests")) if f.startswith("test_") and f.endswith(".py"))
+    return [(f"suite{k + 1}", 540, f"{TESTS} " + " ".join(f"tests/{f}" for f in files[k::SHARDS]))]
+
+
 def groups(n):
     """name -> [(step name, cap seconds, shell command)]; {port} and {out} are filled in per step."""
     tests = f"{TESTS} -m 'gpu or multigpu'"
@@ -72,6 +83,7 @@ def groups(n):
         # Tests. gputests: everything at N GPUs; gpu1 / multigpu: the markers apart (multigpu at N and at 2).
         "tests26": [("tests26", 240, f"{tests} tests/test_symmetric.py tests/test_reduce_op.py")],
         "gputests": [("gpu_tests", 420, f"{tests} tests")],
+        **{f"suite{k + 1}": _suite_shard(k) for k in range(SHARDS)},
         "gpu1": [("gpu1", 300, f"CUDA_VISIBLE_DEVICES=0 {TESTS} -m gpu tests")],
         "multigpu": multigpu,
         "interop": [("interop", 240, f"{tests} tests/test_interop.py")],
