@@ -203,3 +203,33 @@ def store_binding_case(rank, ws):
 
 def test_store_binds_to_master_addr_only():
     assert run_multiprocess(store_binding_case, 2) == ["ok", "ok"]
+
+
+class _StoreGoneAt:
+    """A rendezvous store whose connection drops at its n-th call (rank 0, its host, has ended)."""
+
+    def __init__(self, n):
+        self.calls, self.n = 0, n
+
+    def _call(self, reply):
+        self.calls += 1
+        if self.calls >= self.n:
+            raise torch.distributed.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+        return reply
+
+    def compare_set(self, key, expected, desired):
+        return self._call(desired.encode())
+
+    def add(self, key, amount):
+        return self._call(1)
+
+
+@pytest.mark.parametrize("at", [1, 2, 3, 4])   # compare_set, the rank's key, the count, the wait
+def test_a_store_lost_while_joining_is_a_clear_error(at):
+    """CI saw it: in test_wrong_world_size_is_a_clear_error rank 0 found the world sizes differ and
+    ended, closing the store, while the third process was still announcing itself; that process
+    raised torch's bare DistNetworkError. Every store call of the rendezvous now ends so."""
+    from pynccl.comm import rendezvous
+    with pytest.raises(pynccl.CommTimeoutError, match=r"rank 2 lost the rendezvous store while joining 3 ranks "
+                                                      r"\(rank 0, its host, gave up or died.*Failed to recv"):
+        rendezvous._check_unique_rank(_StoreGoneAt(at), 2, 3, 5.0)

@@ -138,7 +138,20 @@ def _connect_store(host: str, port: int, world_size: int, rank: int, is_master: 
 
 def _check_unique_rank(store, rank: int, world_size: int, timeout_s: float):
     """Every rank announces itself; a duplicated rank or a wrong world size fails here,
-    and a rank that never arrives is named, all within the timeout."""
+    and a rank that never arrives is named, all within the timeout. A store that goes away
+    meanwhile (rank 0, its host, found the job misconfigured and ended, or died) is a
+    CommTimeoutError saying so, not torch's bare connection error."""
+    try:
+        _announce_and_wait(store, rank, world_size, timeout_s)
+    except CommTimeoutError:
+        raise
+    except RuntimeError as e:        # torch's DistNetworkError / DistStoreError: the store's connection
+        raise CommTimeoutError(f"init_process_group: rank {rank} lost the rendezvous store while joining "
+                               f"{world_size} ranks (rank 0, its host, gave up or died; its error says why): "
+                               f"{e}") from e
+
+
+def _announce_and_wait(store, rank: int, world_size: int, timeout_s: float):
     gen = _generation + 1
     agreed = store.compare_set(f"pynccl/rdzv{gen}/world_size", "", str(world_size)).decode()
     if agreed != str(world_size):
@@ -154,11 +167,7 @@ def _check_unique_rank(store, rank: int, world_size: int, timeout_s: float):
     # NOTE: rank 0 hosts the store, so it gives up last: the others can still read who is missing.
     deadline = time.monotonic() + timeout_s + (1.0 if rank == 0 else 0.0)
     while True:
-        try:
-            n = store.add(f"pynccl/rdzv{gen}/count", 0)
-        except RuntimeError as e:
-            raise CommTimeoutError(f"init_process_group: rank {rank} lost the rendezvous store while waiting "
-                                   f"for {world_size} ranks (rank 0, its host, gave up or died): {e}") from e
+        n = store.add(f"pynccl/rdzv{gen}/count", 0)
         if n == world_size:
             return
         if n > world_size:
