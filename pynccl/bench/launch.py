@@ -42,15 +42,11 @@ def launch(opts, backend: str) -> int:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()), "WORLD_SIZE": str(n),
            "LOCAL_WORLD_SIZE": str(n)}
     threads = max(1, (os.cpu_count() or 1) // n) if backend == "gloo" else None
-    cuda = backend == "nccl"
-    method = process_start.choose(cuda)
-    ctx = process_start.context(method, cuda)
+    starter = process_start.Starter(cuda=backend == "nccl")
     sys.stdout.flush()
     sys.stderr.flush()
-    procs = [ctx.Process(target=_child, name=f"rank{r}",
-                         args=(r, env, opts, backend, threads, process_start.as_this_process(method, cuda)))
-             for r in range(n)]
-    process_start.start(procs, method, cuda)
+    procs = [starter.process(_child, f"rank{r}", (r, env, opts, backend, threads)) for r in range(n)]
+    starter.start(procs)
     return _wait(procs)
 
 
@@ -96,8 +92,7 @@ def _without(argv, flags) -> list:
     return out
 
 
-def _child(rank: int, env: dict, opts, backend: str, threads, as_this_process=None) -> None:
-    # as_this_process: process_start.as_this_process's marker, acted on as it was unpickled
+def _child(rank: int, env: dict, opts, backend: str, threads) -> None:
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     if threads is not None:

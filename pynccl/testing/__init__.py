@@ -42,9 +42,7 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, env, backend, init_kwargs, args, kwargs, results, stack_path=None,
-           as_this_process=None):
-    # as_this_process: process_start.as_this_process's marker, acted on as it was unpickled
+def _child(fn, rank, world_size, env, backend, init_kwargs, args, kwargs, results, stack_path=None):
     if stack_path is not None:
         # The parent sends SIGUSR1 to a rank that outlives the timeout: every thread's Python
         # stack goes to this file, so the error says where the rank hung.
@@ -145,21 +143,18 @@ def run_multiprocess(fn: Callable, world_size: int, backend: Optional[str] = "gl
     """
     if cuda is None:
         cuda = backend == "nccl" or start_method == "spawn"
-    start_method = process_start.choose(cuda, start_method)
-    ctx = process_start.context(start_method, cuda)
+    starter = process_start.Starter(cuda, start_method)
     full_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port()),
                 "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
     full_env.update(env or {})
-    results = ctx.Queue()
+    results = starter.ctx.Queue()
     stack_dir = tempfile.mkdtemp(prefix="pynccl_stacks_")
     stack_paths = [os.path.join(stack_dir, f"rank{r}.txt") for r in range(world_size)]
-    procs = [ctx.Process(target=_child, name=f"rank{r}",
-                         args=(fn, r, world_size, full_env, backend, init_kwargs or {}, args, kwargs or {}, results,
-                               stack_paths[r], process_start.as_this_process(start_method, cuda)))
+    procs = [starter.process(_child, f"rank{r}", (fn, r, world_size, full_env, backend, init_kwargs or {}, args,
+                                                  kwargs or {}, results, stack_paths[r]))
              for r in range(world_size)]
     try:
-        outcomes, hung, stacks = _collect(procs, results, world_size, timeout, stack_paths,
-                                          lambda ps: process_start.start(ps, start_method, cuda))
+        outcomes, hung, stacks = _collect(procs, results, world_size, timeout, stack_paths, starter.start)
     finally:
         for p in procs:                    # e.g. Ctrl-C while waiting: no rank outlives the call
             if p.pid is not None and p.is_alive():

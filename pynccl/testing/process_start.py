@@ -113,15 +113,29 @@ def _take(out, err, environ) -> None:
     os.environ.update(environ)
 
 
-def as_this_process(method: str, cuda: bool):
-    """What to pass among a rank's arguments so that its output goes where this process's goes and it
-    sees this process's environment (_AsThisProcess); None where the start method does that itself."""
-    return _AsThisProcess(cuda) if method == "forkserver" else None
+def _call(marker, target, *args):
+    """A fork-server rank's target: `marker` (an _AsThisProcess) acted as it was unpickled, first of
+    the arguments, so before `target`'s module is imported; then the rank's own target."""
+    return target(*args)
 
 
-def start(procs, method: str, cuda: bool) -> None:
-    """Start the processes of `context(method, cuda)`; spawned ones without GPUs where the ranks do
-    not use CUDA (a forked child inherits the device count its parent saw: fork hides nothing)."""
-    with _gpus_hidden(method == "spawn" and not cuda):
-        for p in procs:
-            p.start()
+class Starter:
+    """Starts ranks as the module docstring says: `ctx` for the queues they report on, `process`
+    for each rank, `start` for all of them."""
+
+    def __init__(self, cuda: bool, requested: Optional[str] = None):
+        self.cuda = cuda
+        self.method = choose(cuda, requested)
+        self.ctx = context(self.method, cuda)
+
+    def process(self, target, name: str, args: tuple):
+        if self.method == "forkserver":   # the rank takes this process's stdout and environment first
+            target, args = _call, (_AsThisProcess(self.cuda), target, *args)
+        return self.ctx.Process(target=target, name=name, args=args)
+
+    def start(self, procs) -> None:
+        """Spawned ranks that do not use CUDA start without GPUs (a forked child inherits the device
+        count its parent saw: fork hides nothing)."""
+        with _gpus_hidden(self.method == "spawn" and not self.cuda):
+            for p in procs:
+                p.start()
