@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 import traceback
@@ -131,6 +132,9 @@ def parse_args(argv=None):
                 f"inductor's; {args.compile_backend} would ignore it)")
     if args.profile_dump and not args.profile:
         p.error("--profile-dump needs --profile (the dump is of the profiled steps)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:    # before the run, not after it
+        p.error("--plot needs matplotlib, which is not installed in this Python environment: pip install matplotlib "
+                "(or drop --plot)")
     for key, value in DEFAULTS[args.model].items():
         if getattr(args, key) is None:
             setattr(args, key, value)

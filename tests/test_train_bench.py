@@ -67,6 +67,16 @@ def test_flags_defaults_and_size_errors():
         train_bench.check_sizes(args, "pp-interleaved", 4)
 
 
+def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys):
+    """--plot needs matplotlib: said at parse time, not after a run of many minutes."""
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    with pytest.raises(SystemExit):
+        train_bench.parse_args(["--device", "cpu", "--plot", "/tmp/x.png"])
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
 @pytest.mark.numerics
 def test_train_bench_pairs_agree_on_gloo(tmp_path, capfd):
     out, png = tmp_path / "rows.json", tmp_path / "tokens.png"

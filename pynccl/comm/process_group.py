@@ -5,11 +5,12 @@ changes it; torch_interop.py maps torch's groups onto it.
 """
 from __future__ import annotations
 
-import datetime
 import weakref
 from typing import List, Sequence
 
 import torch.distributed as tdist
+
+from .members_only_groups import new_members_only_group
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -82,8 +83,7 @@ class ProcessGroup:
             if full and "nccl" in torch_backend_name(tdist.group.WORLD):
                 pg = tdist.group.WORLD
             else:
-                pg = tdist.new_group(self.ranks, backend="cpu:gloo,cuda:nccl",
-                                     timeout=datetime.timedelta(seconds=self.timeout_s), use_local_synchronization=True)
+                pg = new_members_only_group(self.ranks, "cpu:gloo,cuda:nccl", self.timeout_s, f"torch_group/{self.name}")
         self._torch_group = pg
         _state.torch_groups[pg] = self
         return pg

@@ -18,11 +18,10 @@ pynccl.to_torch_group(g) as in groups.py.
 """
 from __future__ import annotations
 
-import datetime
-
 import torch.distributed as tdist
 
 from . import rendezvous
+from .members_only_groups import new_members_only_group
 from .process_group import ProcessGroup, _maybe_checked, _state, get_default_group, torch_backend_name
 
 
@@ -74,8 +73,7 @@ def _members_only_group(pg, ranks, world: ProcessGroup) -> ProcessGroup:
         if "gloo" in torch_backend_name(pg):
             backend = GlooBackend(pg, group_rank, len(ranks), timeout_s, name, owns_pg=False)
         else:
-            gloo_pg = tdist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                                      use_local_synchronization=True)
+            gloo_pg = new_members_only_group(ranks, "gloo", timeout_s, f"gloo/{name}")
             backend = GlooBackend(gloo_pg, group_rank, len(ranks), timeout_s, name)
     else:
         from .backends.nccl import NcclBackend

@@ -15,6 +15,7 @@ import torch.distributed as tdist
 
 from ...errors import CommTimeoutError, PyncclError
 from ..flight_recorder import FlightRecorder
+from ..members_only_groups import new_members_only_group
 from ..reduce_op import PremulSum, ReduceOp, as_reduce_op, check_op_for_dtype
 from .base import Backend
 from .gloo_work import GlooWork
@@ -355,11 +356,10 @@ class GlooBackend(Backend):
         return GlooBackend(pg, ranks.index(self.rank), len(ranks), timeout_s, name or f"split{len(ranks)}")
 
     def duplicate(self, timeout_s, name: str) -> "GlooBackend":
-        """A torch gloo group over the same ranks, made by them alone (use_local_synchronization)."""
+        """A torch gloo group over the same ranks, made by them alone (members_only_groups.py)."""
         global_ranks = [tdist.get_global_rank(self.pg, r) if self.pg is not tdist.group.WORLD else r
                         for r in range(self.world_size)]
-        pg = tdist.new_group(global_ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                             use_local_synchronization=True)
+        pg = new_members_only_group(global_ranks, "gloo", timeout_s, f"dup/{self.pg.group_name}/{name}")
         _connected(pg)
         return GlooBackend(pg, self.rank, self.world_size, timeout_s, name)
 
