@@ -40,9 +40,10 @@ def _torchrun(n, script, args):
     return f"torchrun --nproc_per_node {n} --master_port {{port}} {script} {args}"
 
 
-def _train(n, name, args, cap=200):
-    """A train_bench step: pynccl against its torch counterpart, JSON kept for train_summary."""
-    return (name, cap, _torchrun(n, "benchmarks/train_bench.py", f"{args} --json {{out}}/{name}.json"))
+def _train(n, name, args, cap=200, env=""):
+    """A train_bench step: pynccl against its torch counterpart, JSON kept for train_summary; `env`:
+    VAR=value settings for this step alone."""
+    return (name, cap, env + _torchrun(n, "benchmarks/train_bench.py", f"{args} --json {{out}}/{name}.json"))
 
 
 def _devices(n):
@@ -222,9 +223,8 @@ def groups(n):
                                             "tests/test_tp_plan_gpu.py -k 'on_nccl or nccl_tp2'"),
                     _train(n, "llama1b_tpasync", f"{L1B} --batch 4 --strategy tp,tp-sp --compile both --floor "
                                                  "--warmup 3 --steps 8", cap=300),
-                    ("llama1b_tpasync_off", 300, "PYNCCL_TP_ASYNC=0 " + _train(
-                        n, "llama1b_tpasync_off", f"{L1B} --batch 4 --strategy tp --compile both --floor --warmup 3 "
-                                                  "--steps 8")[2])],
+                    _train(n, "llama1b_tpasync_off", f"{L1B} --batch 4 --strategy tp --compile both --floor "
+                                                     "--warmup 3 --steps 8", cap=300, env="PYNCCL_TP_ASYNC=0 ")],
         "zero3floor": [_train(n, "llama1b_zero3floor", f"{L1B} --batch 4 --strategy zero3 --compile both --floor "
                                                        "--warmup 3 --steps 8", cap=540)],
         "nanogpt": [("nanogpt", 300, f"python3 benchmarks/nanogpt_swap.py --nproc {n} --json {{out}}/nanogpt.json "
