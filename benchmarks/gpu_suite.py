@@ -196,7 +196,7 @@ def groups(n):
         "train_summary": [("train_summary", 60, "python3 benchmarks/train_bench_summary.py {out}")],
         # Issue 27: pynccl against torch at its best, eager and compiled (torchtitan's recipes), with MFU;
         # the one-GPU reference (TP scaling, ZeRO-3's floor); nanoGPT's own train.py with compile=True
-        # (needs its train.py, model.py, configurator.py in benchmarks/results/nanogpt/); graph breaks.
+        # (vendored in benchmarks/nanogpt/); graph breaks.
         "compile": [_train(n, "gpt2m_compile", f"{GPT2M} --batch 8 --strategy ddp,zero1,zero2,zero3 --compile both "
                                                "--warmup 3 --steps 10", cap=300),
                     _train(n, "llama1b_compile", f"{L1B} --batch 4 --strategy tp,tp-sp-async,zero3 --compile both "

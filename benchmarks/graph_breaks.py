@@ -7,7 +7,7 @@
   blocks   each transformer block's module.compile(), then the wrapper (TP: the wrapper first),
            torchtitan's recipe
 
-on a tiny HF Llama, a tiny HF GPT-2 and nanoGPT's GPT (benchmarks/nanogpt_model.py), under pynccl
+on a tiny HF Llama, a tiny HF GPT-2 and nanoGPT's GPT (its model.py, vendored in benchmarks/nanogpt/), under pynccl
 DDP, ZeRO-1/2/3 and TP (plans.llama / plans.gpt2; nanoGPT's attention derives its head size from
 its input width, which TP splits, so it has no plan), next to the unwrapped model ("none") and
 torch's counterparts (torch-ddp; fsdp2, wrapped as torchtitan wraps it) compiled the same way.
@@ -94,7 +94,7 @@ def build_model(name: str, layers: int, device):
                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
                                           attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
             return transformers.GPT2LMHeadModel(cfg).train()
-        import nanogpt_model
+        from nanogpt import model as nanogpt_model
         cfg = nanogpt_model.GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=layers, n_head=4, n_embd=64,
                                       dropout=0.0, bias=True)
         return nanogpt_model.GPT(cfg).train()

@@ -233,3 +233,41 @@ def test_a_store_lost_while_joining_is_a_clear_error(at):
     with pytest.raises(pynccl.CommTimeoutError, match=r"rank 2 lost the rendezvous store while joining 3 ranks "
                                                       r"\(rank 0, its host, gave up or died.*Failed to recv"):
         rendezvous._check_unique_rank(_StoreGoneAt(at), 2, 3, 5.0)
+
+
+EXIT_SCRIPT = """
+import sys
+import torch
+import torch.distributed as tdist
+tdist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+import pynccl
+from pynccl.comm import groups
+groups._let_gloo_workers_finish = lambda: print("gloo workers given the GIL", flush=True)
+model = pynccl.DistributedDataParallel(torch.nn.Linear(4, 4))     # pynccl bootstrapped from torch
+model(torch.ones(2, 4)).sum().backward()
+if sys.argv[1] == "pynccl-destroyed":
+    pynccl.destroy_process_group()
+tdist.destroy_process_group()
+print("script end", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", ["torch-only", "pynccl-destroyed"])
+def test_gloo_workers_get_the_gil_before_interpreter_exit(tmp_path, ending):
+    """A script that destroys torch's groups only (nanoGPT's train.py after pynccl's DDP bootstrapped
+    from torch.distributed) leaves pynccl's gloo groups alive: pynccl's exit hook gives gloo's
+    workers the GIL before finalization, as destroy_process_group does (a worker freeing a finished
+    op's tensors during finalization aborts the process); after pynccl's own destroy, once only."""
+    import subprocess
+    import sys
+    script = tmp_path / "exit_script.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script), ending, str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln in ("script end", "gloo workers given the GIL")]
+    expected = {"torch-only": ["script end", "gloo workers given the GIL"],
+                "pynccl-destroyed": ["gloo workers given the GIL", "script end"]}[ending]
+    assert lines == expected, proc.stdout

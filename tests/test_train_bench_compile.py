@@ -61,7 +61,7 @@ def test_flops_per_token_matches_torchtitan_llama3_8b():
 
 
 def test_nanogpt_head_is_found_without_get_output_embeddings():
-    import nanogpt_model
+    from nanogpt import model as nanogpt_model
     cfg = nanogpt_model.GPTConfig(block_size=64, vocab_size=512, n_layer=2, n_head=4, n_embd=64, bias=False)
     with torch.device("meta"):
         model = nanogpt_model.GPT(cfg)

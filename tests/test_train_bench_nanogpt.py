@@ -1,10 +1,10 @@
 """benchmarks/nanogpt_swap.py: nanoGPT's own train.py with the wrapper swapped. The swap itself
-on train.py's lines (always), and, where nanoGPT's files were copied into
-benchmarks/results/nanogpt/ (git-ignored; see nanogpt_swap.py), the real script on 2 gloo ranks
-with a 2-layer model: torch DDP, pynccl DDP and ZeRO-1/2/3 give the same loss at every iteration
-(fp32: the same math; printed to 4 decimals) and the loss falls. Clipping acts there (grad_clip
-0.1): ZeRO with torch's clip_grad_norm_ left in place (each rank's shards clipped by their own
-norm) ends 1e-3 off."""
+on train.py's lines; the vendored files (benchmarks/nanogpt/) still upstream's, byte for byte; and
+the real script on 2 gloo ranks with a 2-layer model: torch DDP, pynccl DDP and ZeRO-1/2/3 give the
+same loss at every iteration (fp32: the same math; printed to 4 decimals) and the loss falls.
+Clipping acts there (grad_clip 0.1): ZeRO with torch's clip_grad_norm_
+left in place (each rank's shards clipped by their own norm) ends 1e-3 off."""
+import hashlib
 import json
 import os
 import pickle
@@ -18,7 +18,12 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import nanogpt_swap  # noqa: E402
 
-NANOGPT = os.path.join(ROOT, "benchmarks", "results", "nanogpt")
+NANOGPT = nanogpt_swap.VENDORED
+# git's blob ids of karpathy/nanoGPT's files at 3adf61e154c3fe3fca428ad6bc3818b27a3b8291.
+UPSTREAM_BLOBS = {"train.py": "de5785051050d64bbda37a4964c2c079f0739b2b",
+                  "model.py": "c698f8b60129d793494de058b0dd4e318c0dcb5e",
+                  "configurator.py": "a8bba9599537cbb34b378399a077b525a87d497f",
+                  "LICENSE": "329db5e33310fd5d98343e2bca690bfb07317526"}
 # The lines of nanoGPT's train.py (3adf61e) that the swap edits, in their context.
 TRAIN_PY = ("import torch\n" + nanogpt_swap.IMPORT + "if ddp:\n" + nanogpt_swap.CPU_PATCHES[0][0]
             + "    master_process = ddp_rank == 0\n" + "if ddp:\n" + nanogpt_swap.CPU_PATCHES[1][0]
@@ -54,9 +59,18 @@ def test_synthetic_data_follows_its_rule(tmp_path):
         assert pickle.load(f) == {"vocab_size": 64}
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(NANOGPT, "train.py")),
-                    reason="nanoGPT's train.py, model.py, configurator.py are not in benchmarks/results/nanogpt "
-                           "(git-ignored; nanogpt_swap.py --help says how to copy them)")
+def git_blob_id(path: str) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def test_vendored_nanogpt_is_upstreams():
+    """The client under test is nanoGPT's own code: every vendored file hashes to upstream's blob."""
+    assert {f: git_blob_id(os.path.join(NANOGPT, f)) for f in UPSTREAM_BLOBS} == UPSTREAM_BLOBS
+    assert set(nanogpt_swap.FILES) <= set(UPSTREAM_BLOBS)
+
+
 def test_real_train_py_every_wrapper_trains_alike(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "rows.json"
@@ -64,9 +78,9 @@ def test_real_train_py_every_wrapper_trains_alike(tmp_path):
                             "--json", str(out), "--loss-rtol", "1e-4", "--skip", "2"])
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == nanogpt_swap.VARIANTS and not any(r.get("error") for r in rows.values()), rows
-    # NOTE: a pynccl variant may abort at interpreter exit after its last iteration (pynccl's group,
-    # bootstrapped from torch.distributed, is never destroyed; nanogpt_swap.TEARDOWN_ABORT): reported
-    # by the script, tolerated here, where the training is under test.
+    # NOTE: a pynccl variant may abort at interpreter exit after its last iteration
+    # (nanogpt_swap.TEARDOWN_ABORT, rare): reported by the script, tolerated here, where the
+    # training is under test; any other failure is not.
     assert rc == 0 or all(r.get("exit_error") for r in rows.values() if r["rc"] != 0), rows
     assert rows["torch-ddp"]["rc"] == 0
     ref = rows["torch-ddp"]["losses"]

@@ -4,6 +4,7 @@ What a group is and the state of an init (what every collective reads) are proce
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import time
@@ -280,6 +281,20 @@ def _let_gloo_workers_finish() -> None:
     examples/train_ddp.py on gloo; the core showed ProcessGroupGloo::runLoop in ~AsyncWork ->
     decref_pyobject -> take_gil -> pthread_exit). Sleeping releases the GIL while Python is alive."""
     time.sleep(0.05)
+
+
+def _gloo_workers_at_exit() -> None:
+    """atexit: where a script ends with pynccl's gloo groups alive (it destroyed torch's groups
+    only, as nanoGPT's train.py does with pynccl's DDP bootstrapped from torch.distributed, or
+    none), gloo's workers get the GIL before finalization, as destroy_process_group gives it
+    (_let_gloo_workers_finish: a worker freeing a finished op's tensors during finalization aborts
+    the process). The groups themselves are left alone: destroying one waits for its worker
+    threads, which a peer's failure could hold for the whole time-out."""
+    if _state.initialized and any(g.backend_name == "gloo" for g in _state.groups):
+        _let_gloo_workers_finish()
+
+
+atexit.register(_gloo_workers_at_exit)
 
 
 def _destroy_one(g: ProcessGroup):
