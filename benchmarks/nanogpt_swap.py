@@ -67,9 +67,10 @@ TINY_SETTINGS = dict(batch_size=4, block_size=32, n_layer=2, n_head=2, n_embd=32
 VOCAB, TINY_VOCAB = 50304, 64            # nanoGPT's GPT-2 vocabulary (50257 padded), a tiny one
 # NOTE: train.py ends with torch's destroy_process_group() only; pynccl's group, bootstrapped from
 # torch.distributed by the wrapper, is not destroyed. On gloo a rank has aborted as the interpreter
-# exited, after the last iteration (1 run in 16 in session 26 on CPU, torch 2.14, then none in 151
-# more; since then pynccl's exit hook gives gloo's workers the GIL first, comm/groups.py's
-# _gloo_workers_at_exit). Such a run is reported as a problem of its own (exit_error), not as a
+# exited, after the last iteration: 1 run in 16 in session 26 on CPU (torch 2.14), then none in the
+# next 140 without an exit hook nor in 75 with a first one, so rare that no A/B could show what
+# pynccl's exit hook (comm/groups.py's _gloo_workers_at_exit, the mechanism destroy_process_group's
+# wait addressed) changes. Such a run is reported as a problem of its own (exit_error), not as a
 # failed run.
 TEARDOWN_ABORT = "terminate called without an active exception"
 ITER_RE = re.compile(r"^iter (\d+): loss ([-\d.naninf]+), time ([\d.]+)ms", re.M)
