@@ -7,9 +7,9 @@
   blocks   each transformer block's module.compile(), then the wrapper (TP: the wrapper first),
            torchtitan's recipe
 
-on a tiny HF Llama, a tiny HF GPT-2 and nanoGPT's GPT (its model.py, vendored in benchmarks/nanogpt/), under pynccl
-DDP, ZeRO-1/2/3 and TP (plans.llama / plans.gpt2; nanoGPT's attention derives its head size from
-its input width, which TP splits, so it has no plan), next to the unwrapped model ("none") and
+on a tiny HF Llama, a tiny HF GPT-2 and nanoGPT's GPT (its model.py, vendored in benchmarks/nanogpt/),
+under pynccl DDP, ZeRO-1/2/3 and TP (plans.llama / plans.gpt2; nanoGPT's attention derives its head
+size from its input width, which TP splits, so it has no plan), next to the unwrapped model ("none") and
 torch's counterparts (torch-ddp; fsdp2, wrapped as torchtitan wraps it) compiled the same way.
 Each case starts from a reset dynamo and trains 3 steps (AdamW). A row:
 

@@ -2,8 +2,8 @@
 on train.py's lines; the vendored files (benchmarks/nanogpt/) still upstream's, byte for byte; and
 the real script on 2 gloo ranks with a 2-layer model: torch DDP, pynccl DDP and ZeRO-1/2/3 give the
 same loss at every iteration (fp32: the same math; printed to 4 decimals) and the loss falls.
-Clipping acts there (grad_clip 0.1): ZeRO with torch's clip_grad_norm_
-left in place (each rank's shards clipped by their own norm) ends 1e-3 off."""
+Clipping acts there (grad_clip 0.1): ZeRO with torch's clip_grad_norm_ left in place (each rank's
+shards clipped by their own norm) ends 1e-3 off."""
 import hashlib
 import json
 import os

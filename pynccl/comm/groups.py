@@ -253,7 +253,7 @@ def destroy_process_group(group=None) -> None:
     if group is None:
         if not _state.initialized:
             return
-        gloo = any(g.backend_name == "gloo" for g in _state.groups)
+        gloo = _any_gloo_group()
         for g in reversed(_state.groups):
             _destroy_one(g)
         if _state.owns_torch_dist:
@@ -268,6 +268,10 @@ def destroy_process_group(group=None) -> None:
         _state.groups.remove(g)
     for torch_pg in [k for k, v in _state.torch_groups.items() if v is g]:
         del _state.torch_groups[torch_pg]   # a later use of that torch group maps it afresh
+
+
+def _any_gloo_group() -> bool:
+    return any(g.backend_name == "gloo" for g in _state.groups)
 
 
 def _let_gloo_workers_finish() -> None:
@@ -290,7 +294,7 @@ def _gloo_workers_at_exit() -> None:
     (_let_gloo_workers_finish: a worker freeing a finished op's tensors during finalization aborts
     the process). The groups themselves are left alone: destroying one waits for its worker
     threads, which a peer's failure could hold for the whole time-out."""
-    if _state.initialized and any(g.backend_name == "gloo" for g in _state.groups):
+    if _state.initialized and _any_gloo_group():
         _let_gloo_workers_finish()
 
 
