@@ -111,6 +111,10 @@ def parse_args(argv=None):
                    help="after each pair, rank 0 alone runs its no-communication floor at world size 1 "
                         "(zero*: each side's wrapper over a 1-rank group; ddp, tp: the plain model); the summary "
                         "adds each side's cost over it and their ratio, or TP's step over the one-GPU step")
+    p.add_argument("--sp-dim", type=int, choices=[0, 1], default=1,
+                   help="pynccl's tp-sp rows: the dim of the [b, s, h] activations sequence parallelism splits "
+                        "(plans.llama's sequence_dim: 1 the sequence, as torchtitan's plan on the torch side; 0 the "
+                        "batch, contiguous slabs: --batch must divide by the TP size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grad-ckpt", action="store_true",
                    help="HF gradient checkpointing (gradient_checkpointing_enable) on both sides, before wrapping")
@@ -200,13 +204,15 @@ def header(ctx: BenchContext) -> dict:
                 compile=args.compile, compile_backend=args.compile_backend, compile_mode=args.compile_mode, floor=args.floor,
                 model=args.model, params=num_params(hf_config(args)), batch=args.batch, steps=args.steps,
                 warmup=args.warmup, microbatches=args.microbatches, dtype=args.dtype, optim=args.optim_impl,
+                sp_dim=args.sp_dim,
                 zero12_optim=args.optim_impl if args.zero12_optim_impl == "same" else args.zero12_optim_impl, **sizes)
 
 
 def print_header(h: dict) -> None:
     print(f"# train_bench: {h['model']} {h['params'] / 1e6:.4g}M params (hidden {h['hidden']}, {h['layers']} layers, "
           f"{h['heads']} heads, kv {h['kv_heads']}, ffn {h['intermediate']}, vocab {h['vocab']}), seq {h['seq']}, "
-          f"batch {h['batch']}/replica, {h['dtype']}, AdamW {h['optim']}, {h['warmup']}+{h['steps']} steps")
+          f"batch {h['batch']}/replica, {h['dtype']}, AdamW {h['optim']}, {h['warmup']}+{h['steps']} steps"
+          + ("; pynccl's sequence parallelism splits the batch (--sp-dim 0)" if h.get("sp_dim") == 0 else ""))
     print(f"# {h['world_size']} × {h['device']}; torch {h['torch']} (NCCL {h['torch_nccl']}), pynccl NCCL runtime "
           f"{h['nccl_runtime']}, transformers {h['transformers']}")
     peak = "n/a" if h["peak_bf16_flops"] is None else f"{h['peak_bf16_flops'] / 1e12:.0f} TFLOP/s"

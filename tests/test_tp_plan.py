@@ -5,7 +5,8 @@ two TP-2 groups). Each check builds the model, copies it, parallelizes the copy,
 parameter's grad with the matching slice of the unsharded model's (fp32, within the rounding of the
 model's reductions, tests/numerics.py): Llama with
 grouped-query attention and GPT-2 (fused Conv1D q|k|v, tied LM head), with and without sequence
-parallelism and the vocabulary-parallel loss, with activation checkpointing; a non-HF model with
+parallelism (split along the sequence, or along the batch: sequence_dim=0) and the
+vocabulary-parallel loss, with activation checkpointing; a non-HF model with
 torchtitan-style layouts. Then the full state dict gathered back from the
 shards equals the original's and loads into a fresh model; sizes that do not divide raise
 ValueError naming the dimension, before the model is touched.
@@ -140,6 +141,29 @@ def _error_checks(group):
     odd = torch.zeros(1, SEQ_LEN + 1, dtype=torch.long)
     with pytest.raises(ValueError, match=rf"sequence dim \(dim 1 .*\) must be divisible .*\({ws}\)"):
         sp_model(input_ids=odd, labels=odd)
+    batch_model = tp.parallelize_module(build(llama_config(**ok)), group, tp.plans.llama(True, sequence_dim=0))
+    odd_batch = torch.zeros(ws + 1, SEQ_LEN, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"sequence dim \(dim 0 of shape \({ws + 1}, .*\) must be divisible .*\({ws}\)"):
+        batch_model(input_ids=odd_batch, labels=odd_batch)
+    for plans_of in (tp.plans.llama, tp.plans.gpt2):
+        for bad in (2, -1, True, "1"):
+            with pytest.raises(ValueError, match=rf"sequence_dim must be 0 \(the batch\) or 1 .*got {bad!r}"):
+                plans_of(True, sequence_dim=bad)
+
+
+def _sequence_dim_checks(group):
+    """What a norm between the blocks sees: this rank's slab of the sequence (sequence_dim=1) or of
+    the batch (sequence_dim=0), for Llama and GPT-2 (the values are check_plan's business)."""
+    ws = group.world_size
+    x = tokens()
+    for config, plans_of, norm_of in ((llama_config(4, 2), tp.plans.llama, lambda m: m.model.layers[0].input_layernorm),
+                                      (gpt2_config(), tp.plans.gpt2, lambda m: m.transformer.h[0].ln_1)):
+        for dim, shape in ((1, (BATCH, SEQ_LEN // ws)), (0, (BATCH // ws, SEQ_LEN))):
+            model = tp.parallelize_module(build(config), group, plans_of(True, sequence_dim=dim))
+            seen = []
+            norm_of(model).register_forward_pre_hook(lambda mod, args: seen.append(tuple(args[0].shape[:2])))
+            model(input_ids=x, labels=x).loss.backward()
+            assert seen == [shape], f"{type(model).__name__} sequence_dim={dim}: the norm saw {seen}, expected {shape}"
 
 
 class _TinyLM(nn.Module):
@@ -205,15 +229,25 @@ def plan_checks(group, heads, kv_heads, device="cpu", dtype=torch.float32, tol=F
                dtype, close, checkpointing=True)
     check_plan(llama_config(heads, kv_heads, tie_word_embeddings=True), tp.plans.llama(True), group,
                f"llama tied embeddings tp={ws}", tol, device, dtype, close)  # as Llama 3.2 1B / 3B
-    return count + 3
+    count += 3
+    if BATCH % ws == 0:  # sequence parallelism split along the batch (sequence_dim=0): the batch must divide
+        for loss_parallel in (True, False):
+            check_plan(llama_config(heads, kv_heads), tp.plans.llama(True, loss_parallel, sequence_dim=0), group,
+                       f"llama tp={ws} sp on the batch loss_parallel={loss_parallel}", tol, device, dtype, close)
+        check_plan(llama_config(heads, kv_heads), tp.plans.llama(True, sequence_dim=0), group,
+                   f"llama checkpointing tp={ws} sp on the batch", tol, device, dtype, close, checkpointing=True)
+        check_plan(gpt2_config(), tp.plans.gpt2(True, loss_parallel=True, sequence_dim=0), group,
+                   f"gpt2 tp={ws} sp on the batch", tol, device, dtype, close)
+        count += 4
+    return count
 
 
 def check_tp_plans(rank, world_size):
     from pynccl.mesh import ParallelMesh
     world = pynccl.get_default_group()
     mesh = ParallelMesh(dp=2, tp=2)
-    assert plan_checks(world, heads=8, kv_heads=4) == 9  # tp 4, 2 query heads per key/value head
-    assert plan_checks(mesh.tp_group, heads=4, kv_heads=2) == 9  # tp 2
+    assert plan_checks(world, heads=8, kv_heads=4) == 9  # tp 4, 2 query heads per key/value head (batch 2: no
+    assert plan_checks(mesh.tp_group, heads=4, kv_heads=2) == 13  # tp 2         batch split at tp 4)
     check_plan(llama_config(8, 4), tp.plans.llama(), None, "llama, tp_group=None (the default group)")
     for group, heads, kv in ((world, 8, 4), (mesh.tp_group, 4, 2)):
         for config, plan in ((llama_config(heads, kv), tp.plans.llama(True)), (gpt2_config(), tp.plans.gpt2(True))):
@@ -224,6 +258,7 @@ def check_tp_plans(rank, world_size):
     _generic_plan_checks(mesh.tp_group)
     _error_checks(world)
     _error_checks(mesh.tp_group)
+    _sequence_dim_checks(mesh.tp_group)
     return True
 
 

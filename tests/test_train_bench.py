@@ -133,6 +133,12 @@ def test_tensor_parallel_plans_train_as_one_process(tmp_path):
     assert [(r["strategy"], r["impl"]) for r in rows] == [(s, i) for s in ("tp", "tp-sp") for i in ("pynccl", "torch")]
     expected = _single_process_losses("tp")
     assert expected[-1] < expected[0] - 0.05, f"the reference does not learn: {expected}"
+    # pynccl's sequence parallelism split along the batch instead (--sp-dim 0, plans.llama's sequence_dim=0)
+    train_bench.main(["--device", "cpu", "--nproc", "2", "--strategy", "tp-sp", "--impl", "pynccl", "--sp-dim", "0",
+                      "--json", str(out)] + TINY)
+    batch_split = json.loads(out.read_text())
+    assert batch_split["sp_dim"] == 0
+    rows += batch_split["rows"]
     for r in rows:
         assert not r.get("error"), r.get("error")
         for step, (a, b) in enumerate(zip(r["losses"], expected)):

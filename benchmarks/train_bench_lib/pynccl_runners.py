@@ -91,7 +91,7 @@ def _tp(ctx: BenchContext, sequence_parallel: bool) -> Trainer:
     parallelize_module, plans = _tensor_parallel_api()
     _check_llama(ctx, "tp")
     model = parallelize_module(ctx.build_model("tp"), pynccl.get_default_group(),
-                               plans.llama(sequence_parallel=sequence_parallel))
+                               plans.llama(sequence_parallel=sequence_parallel, sequence_dim=ctx.args.sp_dim))
     model = cr.blocks_if_compiled(ctx, model)
     opt = ctx.optimizer(model.parameters())
     return Trainer(hf_lm_step(ctx, model, opt, ctx.tokens(0), autocast=True), [model, opt],

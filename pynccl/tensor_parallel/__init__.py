@@ -15,7 +15,8 @@ Conventions
   splits dim 0, so each rank's shard is one contiguous slab and the all-gather / reduce-scatter
   need no transposes (`sequence_dim=1` for [b, s, h], which costs a copy each way). The GPT
   block and the unsharded reference modules (pynccl.testing.reference_models) are [s, b, h]; the
-  plan's styles take the sequence dim from their layouts (Shard(1) for Hugging Face's [b, s, h]).
+  plan's styles take the sequence dim from their layouts (Shard(1) for Hugging Face's [b, s, h];
+  plans.llama / plans.gpt2 with sequence_dim=0 split the batch instead: contiguous slabs again).
 * `group` is the TP ProcessGroup (pynccl.new_group / ParallelMesh), None for the default group.
   At TP size 1 no collective runs and the layers do what the unsharded ones do.
 * Sizes: out_features (column), in_features (row), ffn_hidden_size and num_heads must divide by
