@@ -18,6 +18,7 @@ from pynccl.bench.ops.base import ALL, Segment
 from pynccl.bench.options import parse_args, parse_size, size_steps
 from pynccl.bench.parse import parse_log
 from pynccl.testing import run_multiprocess
+from repo_env import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -179,7 +180,7 @@ def test_parser_reads_a_real_nccl_tests_log():
 
 # ----------------------------------------------------------------------------- the CLI on gloo
 def _cli(args, tmp_path, env_extra=None, timeout=120):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = subprocess_env()
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "pynccl.bench", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -233,7 +234,7 @@ def test_corrupted_results_are_counted_and_fail_the_run(tmp_path):
 
 
 def test_runs_under_torchrun(tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = subprocess_env(OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "pynccl.bench",
                         "reduce_scatter", "--backend", "gloo", "-b", "64", "-e", "1K", "-f", "4", "-n", "2"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

@@ -18,6 +18,7 @@ import pynccl
 from pynccl.ddp import hooks as comm_hooks
 from pynccl.testing import run_multiprocess
 from numerics import assert_within, chain_rtol
+from repo_env import subprocess_env
 from ddp_common import (FULL_BATCH_RTOL, STEPS, TINY_BUCKETS_MB, BNNet, _assert_params_close,  # noqa: F401
                         _assert_trained_close, _batches, _max_diff, _mlp, _opt, _train, vs_torch_rtol)
 
@@ -433,7 +434,7 @@ def test_a_wrong_scale_fails_the_bounds():
 
 
 def test_example_runs_under_torchrun():
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env = subprocess_env(OMP_NUM_THREADS="1")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env["CUDA_VISIBLE_DEVICES"] = ""                    # gloo on CPU even on a GPU machine
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

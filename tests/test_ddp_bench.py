@@ -6,12 +6,14 @@ import os
 import subprocess
 import sys
 
+from repo_env import subprocess_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_ddp_bench_levers_on_cpu(tmp_path):
     out = tmp_path / "r.json"
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = subprocess_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "ddp_bench.py"), "--device", "cpu",
                            "--nproc", "2", "--model", "tiny", "--steps", "2", "--repeats", "2", "--warmup", "1",
                            "--levers", "bucket-10mb", "first-bucket-25mb", "cta-efficiency", "unpack-early", "tied-rows",
@@ -38,7 +40,7 @@ def test_ddp_bench_hidden_allreduce_bound_on_cpu(tmp_path):
     """The default modes include the bound 'no DDP + hidden all-reduce' (the gradients' bytes
     all-reduced from backward's start): timed like the others and reported against torch DDP."""
     out = tmp_path / "r.json"
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = subprocess_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "ddp_bench.py"), "--device", "cpu",
                            "--nproc", "2", "--model", "tiny", "--steps", "2", "--repeats", "2", "--warmup", "1",
                            "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
@@ -52,7 +54,7 @@ def test_ddp_bench_hidden_allreduce_bound_on_cpu(tmp_path):
 def test_ddp_bench_refuses_modes_that_levers_would_drop():
     """--levers times only its windows against the three baselines: asking for the priority or
     Python-path modes as well is an error naming why, not a run that silently leaves them out."""
-    env = dict(os.environ, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="")
+    env = subprocess_env(CUDA_VISIBLE_DEVICES="")
     for extra in ("--compare-priority", "--compare-py-path"):
         proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "ddp_bench.py"), "--device", "cpu",
                                "--model", "tiny", "--levers", "bucket-10mb", extra],

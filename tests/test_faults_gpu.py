@@ -28,6 +28,7 @@ import torch
 
 from pynccl.errors import TIMEOUT_EXIT_CODE
 from pynccl.testing import find_free_port
+from repo_env import subprocess_env
 
 TIMEOUT_S = 10.0
 BOUND_S = TIMEOUT_S + 5.0
@@ -75,10 +76,9 @@ class RankRun:
 def run_case(case, tmp_path, on_timeout=None, world_size=WORLD_SIZE):
     """Runs `case` on world_size processes (one GPU each) and waits for all of them, killing any
     still alive TIMEOUT_S + 40 s after the start."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), WORLD_SIZE=str(world_size),
-               LOCAL_WORLD_SIZE=str(world_size), FAULT_TIMEOUT_S=str(TIMEOUT_S), PYTHONUNBUFFERED="1",
-               PYNCCL_FLIGHT_RECORDER_DIR=str(tmp_path), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), WORLD_SIZE=str(world_size),
+                         LOCAL_WORLD_SIZE=str(world_size), FAULT_TIMEOUT_S=str(TIMEOUT_S), PYTHONUNBUFFERED="1",
+                         PYNCCL_FLIGHT_RECORDER_DIR=str(tmp_path), OMP_NUM_THREADS="1")
     env.pop("PYNCCL_ON_TIMEOUT", None)
     if on_timeout is not None:
         env["PYNCCL_ON_TIMEOUT"] = on_timeout

@@ -15,8 +15,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import gpu_suite  # noqa: E402
+from repo_env import subprocess_env  # noqa: E402
 
-ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), CUDA_VISIBLE_DEVICES="")
+ENV = subprocess_env(CUDA_VISIBLE_DEVICES="")
 SEPARATORS = {";", "&&", "||", "|"}
 TORCHRUN_VALUE_FLAGS = {"--nproc_per_node", "--master_port", "--nnodes", "--node_rank"}
 

@@ -13,7 +13,6 @@ gloo processes, c10d rendezvous on 127.0.0.1, every transport on the loopback in
 * pynccl-bench --nnodes 2 --impl both: the benchmark over two nodes, next to torch.
 """
 import json
-import os
 import re
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 from pynccl.testing.multinode import TorchrunNodes, check_runs, is_running, run_nodes
+from repo_env import pythonpath, subprocess_env
 
 from test_zero import GRAD_RTOL, LR, STEPS, global_batch, make_net
 import test_zero
@@ -46,7 +46,7 @@ def node_gpus(backend, per_node):
 def worker_env(tmp_path, backend, timeout_s, **extra):
     return {"MN_BACKEND": backend, "MN_OUT": str(tmp_path), "MN_TIMEOUT": str(timeout_s),
             "PYNCCL_FLIGHT_RECORDER_DIR": str(tmp_path / "flight"),
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **extra}
+            "PYTHONPATH": pythonpath(), **extra}
 
 
 def read_json(path):
@@ -174,7 +174,7 @@ def run_resume(tmp_path, backend, per_node, loss_rtol, param_atol):
 def run_bench(backend, per_node, extra=()):
     cmd = [sys.executable, "-m", "pynccl.bench", "all_reduce", "--nnodes", str(NNODES), "--nproc", str(per_node),
            "--backend", backend, "-b", "8", "-e", "64", "-f", "8", "-n", "2", "-w", "0", "--impl", "both", *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(REPO))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from repo_env import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -80,7 +82,7 @@ print(repr(counts))
 
 
 def test_missing_extension_warns_only_where_a_gpu_is_visible():
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = subprocess_env()
     env.pop("PYNCCL_WARN_NO_EXTENSION", None)
     out = subprocess.run([sys.executable, "-c", _WARNING_PROBE], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120)

@@ -12,6 +12,7 @@ import torch
 import pynccl
 from pynccl.comm.flight_recorder import FILE_KEYS
 from pynccl.testing import run_multiprocess
+from repo_env import subprocess_env
 
 TIMEOUT_S = 3.0
 
@@ -262,8 +263,7 @@ def test_gloo_workers_get_the_gil_before_interpreter_exit(tmp_path, ending):
     import sys
     script = tmp_path / "exit_script.py"
     script.write_text(EXIT_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                      os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, str(script), ending, str(tmp_path / "store")], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -6,7 +6,6 @@ what pynccl cannot honour. Also: `import pynccl` stays cheap while dir() shows t
 barrier(async_op=True) / Work.wait(timedelta) behave as torch's.
 """
 import datetime
-import os
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle as TorchParallelStyl
 
 import pynccl
 from pynccl.testing import run_multiprocess
+from repo_env import subprocess_env
 from pynccl.zero.mixed_precision import MixedPrecision, check_policy
 from pynccl.zero.sharding_strategy import resolve_stage
 
@@ -39,7 +39,7 @@ def test_import_is_cheap_and_dir_shows_lazy_names():
             "ns = {}; exec('from pynccl import *', ns);"
             "assert ns['FullyShardedDataParallel'] is pynccl.zero.FullyShardedDataParallel;"
             "assert ns['tensor_parallel'] is pynccl.tensor_parallel")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
