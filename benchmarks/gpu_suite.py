@@ -218,16 +218,22 @@ def groups(n):
         "tpprofile": [_train(n, "llama1b_tpprofile", f"{L1B} --batch 4 --strategy tp --impl pynccl --compile both "
                                                      "--floor --profile --warmup 3 --steps 6", cap=300)],
         # Issue 27's TP levers in one call: the overlap's GPU tests on NCCL, then tp and tp-sp against the
-        # one-GPU step, eager and compiled per block, with the default (PYNCCL_TP_ASYNC auto) and without,
-        # and tp-sp split along the batch (--sp-dim 0: no relayout copy around its collectives).
+        # one-GPU step, eager and compiled per block, with the default (PYNCCL_TP_ASYNC auto) and without.
         "tpasync": [("tp_async_tests", 240, f"{TESTS} tests/test_tp_async_allreduce.py tests/test_tp_compile.py "
                                             "tests/test_tp_plan_gpu.py -k 'on_nccl or nccl_tp2'"),
                     _train(n, "llama1b_tpasync", f"{L1B} --batch 4 --strategy tp,tp-sp --compile both --floor "
                                                  "--warmup 3 --steps 8", cap=300),
                     _train(n, "llama1b_tpasync_off", f"{L1B} --batch 4 --strategy tp --compile both --floor "
-                                                     "--warmup 3 --steps 8", cap=300, env="PYNCCL_TP_ASYNC=0 "),
-                    _train(n, "llama1b_tp_sp_batch", f"{L1B} --batch 4 --strategy tp-sp --impl pynccl --compile both "
-                                                     "--floor --sp-dim 0 --warmup 3 --steps 8", cap=300)],
+                                                     "--warmup 3 --steps 8", cap=300, env="PYNCCL_TP_ASYNC=0 ")],
+        # Sequence parallelism split along the batch (--sp-dim 0: contiguous slabs, no relayout copy around
+        # its collectives) beside tp in the same run, eager and compiled, then with the decomposed
+        # sequence-parallel ops (PYNCCL_TP_ASYNC=1) compiled; the one-GPU floor in each.
+        "tpspbatch": [("tpspbatch_tests", 120, f"{TESTS} tests/test_tp_plan_gpu.py"),
+                      _train(n, "llama1b_tp_sp_batch", f"{L1B} --batch 4 --strategy tp,tp-sp --impl pynccl "
+                                                       "--compile both --floor --sp-dim 0 --warmup 3 --steps 8", cap=300),
+                      _train(n, "llama1b_tp_sp_batch_async", f"{L1B} --batch 4 --strategy tp-sp --impl pynccl "
+                                                             "--compile on --floor --sp-dim 0 --warmup 3 --steps 8",
+                             cap=180, env="PYNCCL_TP_ASYNC=1 ")],
         "zero3floor": [_train(n, "llama1b_zero3floor", f"{L1B} --batch 4 --strategy zero3 --compile both --floor "
                                                        "--warmup 3 --steps 8", cap=540)],
         "nanogpt": [("nanogpt", 300, f"python3 benchmarks/nanogpt_swap.py --nproc {n} --json {{out}}/nanogpt.json "
