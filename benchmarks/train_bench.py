@@ -154,6 +154,9 @@ def parse_args(argv=None):
 def check_sizes(args, strategy: str, world_size: int) -> None:
     """Errors a run would otherwise hit deep inside a schedule, named up front."""
     layout = layout_of(strategy, world_size)
+    if strategy.startswith("tp-sp") and args.sp_dim == 0 and args.batch % layout.tp:
+        raise ValueError(f"{strategy} with --sp-dim 0: --batch {args.batch} is not divisible by tp ({layout.tp}); "
+                         "the batch split needs it")
     if strategy.startswith("pp-"):
         v = 2 if strategy.startswith("pp-interleaved") else 1
         if args.layers < layout.pp * v:

@@ -28,6 +28,7 @@ BATCH, SEQ_LEN, VOCAB = 2, 8, 128
 # Relative to each expected tensor's largest element: the reduction chain of the largest model
 # here (2 layers, hidden 64, ffn 128, head_dim 16 at 4 heads, seq 8, vocab 128, 2 × 8 tokens).
 FP32_TOL = transformer_rtol(2, 64, 128, 16, SEQ_LEN, VOCAB, BATCH * SEQ_LEN)
+TWO_PER_RANK_TOL = transformer_rtol(2, 64, 128, 16, SEQ_LEN, VOCAB, 8 * SEQ_LEN)  # the batch of 8 at tp 4
 
 
 def llama_config(heads=4, kv_heads=2, attn="sdpa", **overrides):
@@ -53,8 +54,8 @@ def build(config, seed=0):
     return cls(config)
 
 
-def tokens(seed=1, device="cpu"):
-    return torch.randint(0, VOCAB, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(seed)).to(device)
+def tokens(seed=1, device="cpu", batch=BATCH):
+    return torch.randint(0, VOCAB, (batch, SEQ_LEN), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def _close(actual, expected, what, tol):
@@ -65,7 +66,7 @@ def _close(actual, expected, what, tol):
 
 
 def check_plan(config, plan, group, what, tol=FP32_TOL, device="cpu", dtype=torch.float32, close=None,
-               checkpointing=False):
+               checkpointing=False, batch=BATCH):
     """Loss, logits and every grad of the parallelized copy against the unsharded model.
     close(actual, expected, what, tol): the comparison (default: elementwise within tol).
     checkpointing: the copy recomputes each layer in backward (its collectives run again)."""
@@ -76,7 +77,7 @@ def check_plan(config, plan, group, what, tol=FP32_TOL, device="cpu", dtype=torc
     if checkpointing:
         par.gradient_checkpointing_enable()
         par.train()
-    x = tokens(device=device)
+    x = tokens(device=device, batch=batch)
     ref_out = ref(input_ids=x, labels=x)
     ref_out.loss.backward()
     out = par(input_ids=x, labels=x)
@@ -139,16 +140,28 @@ def _error_checks(group):
         tp.parallelize_module(model, group, tp.plans.llama())
     sp_model = tp.parallelize_module(build(llama_config(**ok)), group, tp.plans.llama(sequence_parallel=True))
     odd = torch.zeros(1, SEQ_LEN + 1, dtype=torch.long)
-    with pytest.raises(ValueError, match=rf"sequence dim \(dim 1 .*\) must be divisible .*\({ws}\)"):
+    with pytest.raises(ValueError, match=rf"sequence dim \(.*: dim 1 .*\) must be divisible .*\({ws}\)"):
         sp_model(input_ids=odd, labels=odd)
     batch_model = tp.parallelize_module(build(llama_config(**ok)), group, tp.plans.llama(True, sequence_dim=0))
     odd_batch = torch.zeros(ws + 1, SEQ_LEN, dtype=torch.long)
-    with pytest.raises(ValueError, match=rf"sequence dim \(dim 0 of shape \({ws + 1}, .*\) must be divisible .*\({ws}\)"):
+    with pytest.raises(ValueError, match=rf"sequence dim \(.*: dim 0 of shape \({ws + 1}, .*\) must be divisible .*\({ws}\)"):
         batch_model(input_ids=odd_batch, labels=odd_batch)
     for plans_of in (tp.plans.llama, tp.plans.gpt2):
-        for bad in (2, -1, True, "1"):
-            with pytest.raises(ValueError, match=rf"sequence_dim must be 0 \(the batch\) or 1 .*got {bad!r}"):
-                plans_of(True, sequence_dim=bad)
+        for bad in (2, -1, True, "1", None):
+            for sp in (True, False):
+                with pytest.raises(ValueError, match=rf"sequence_dim must be 0 \(the batch\) or 1 .*got {bad!r}"):
+                    plans_of(sp, sequence_dim=bad)
+    # The model slices its final hidden states for logits_to_keep before lm_head gathers them: under
+    # sequence parallelism that would be a token shard, so a partial one is refused (any split).
+    x = tokens(batch=2 * ws)                 # divisible by the TP size for either split
+    for dim in (0, 1):
+        for loss_parallel in (True, False):
+            model = tp.parallelize_module(build(llama_config(**ok)), group,
+                                          tp.plans.llama(True, loss_parallel, sequence_dim=dim))
+            for keep in (1, torch.tensor([SEQ_LEN - 1])):
+                with pytest.raises(ValueError, match="logits_to_keep=.* under sequence parallelism"):
+                    model(input_ids=x, logits_to_keep=keep)
+            assert model(input_ids=x, logits_to_keep=0).logits.shape[:2] == (2 * ws, SEQ_LEN)
 
 
 def _sequence_dim_checks(group):
@@ -239,6 +252,13 @@ def plan_checks(group, heads, kv_heads, device="cpu", dtype=torch.float32, tol=F
         check_plan(gpt2_config(), tp.plans.gpt2(True, loss_parallel=True, sequence_dim=0), group,
                    f"gpt2 tp={ws} sp on the batch", tol, device, dtype, close)
         count += 4
+    # two sequences per rank's slab (a split that mixed the rows of a slab would show here), at tp 4 too
+    for config, plan in ((llama_config(heads, kv_heads), tp.plans.llama(True, sequence_dim=0)),
+                         (gpt2_config(), tp.plans.gpt2(True, loss_parallel=False, sequence_dim=0))):
+        name = "gpt2" if isinstance(config, transformers.GPT2Config) else "llama"
+        check_plan(config, plan, group, f"{name} tp={ws} sp on a batch of {2 * ws}", max(tol, TWO_PER_RANK_TOL), device,
+                   dtype, close, batch=2 * ws)
+        count += 1
     return count
 
 
@@ -246,8 +266,8 @@ def check_tp_plans(rank, world_size):
     from pynccl.mesh import ParallelMesh
     world = pynccl.get_default_group()
     mesh = ParallelMesh(dp=2, tp=2)
-    assert plan_checks(world, heads=8, kv_heads=4) == 9  # tp 4, 2 query heads per key/value head (batch 2: no
-    assert plan_checks(mesh.tp_group, heads=4, kv_heads=2) == 13  # tp 2         batch split at tp 4)
+    assert plan_checks(world, heads=8, kv_heads=4) == 11  # tp 4, 2 query heads per key/value head
+    assert plan_checks(mesh.tp_group, heads=4, kv_heads=2) == 15  # tp 2
     check_plan(llama_config(8, 4), tp.plans.llama(), None, "llama, tp_group=None (the default group)")
     for group, heads, kv in ((world, 8, 4), (mesh.tp_group, 4, 2)):
         for config, plan in ((llama_config(heads, kv), tp.plans.llama(True)), (gpt2_config(), tp.plans.gpt2(True))):

@@ -65,6 +65,12 @@ def test_flags_defaults_and_size_errors():
     args.batch, args.microbatches = 6, 6
     with pytest.raises(ValueError, match="multiple of pp"):
         train_bench.check_sizes(args, "pp-interleaved", 4)
+    args = train_bench.parse_args(["--strategy", "tp-sp", "--sp-dim", "0", "--batch", "6"])
+    train_bench.check_sizes(args, "tp-sp", 2)
+    with pytest.raises(ValueError, match=r"--sp-dim 0: --batch 6 is not divisible by tp \(4\)"):
+        train_bench.check_sizes(args, "tp-sp", 4)
+    args.sp_dim = 1
+    train_bench.check_sizes(args, "tp-sp", 4)        # the sequence split checks the sequence, at its forward
 
 
 def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys):

@@ -52,7 +52,7 @@ from .loss_parallel import LossParallel, vocab_parallel_causal_lm_loss
 from .parallelize import parallelize_module
 from .plan import ParallelStyle, Replicate, Shard, shard_specs
 from .relayout import PrepareModuleInput, PrepareModuleOutput
-from .styles import ColwiseParallel, LocalHeads, RowwiseParallel, SequenceParallel
+from .styles import AllPositionLogits, ColwiseParallel, LocalHeads, RowwiseParallel, SequenceParallel
 from .random import (MODEL_PARALLEL_RNG, RNGStatesTracker, get_cuda_rng_tracker, get_rng_tracker,
                      model_parallel_seed)
 from .state_dict import unshard_tensor, unsharded_state_dict
@@ -75,7 +75,8 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region", "allreduce_grads_in_backward",
     "RNGStatesTracker", "get_rng_tracker", "get_cuda_rng_tracker", "model_parallel_seed", "MODEL_PARALLEL_RNG",
     "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "PrepareModuleInput", "PrepareModuleOutput", "LocalHeads", "LossParallel", "Shard", "Replicate", "plans",
+    "PrepareModuleInput", "PrepareModuleOutput", "LocalHeads", "LossParallel", "AllPositionLogits", "Shard",
+    "Replicate", "plans",
     "shard_specs", "vocab_parallel_causal_lm_loss", "unsharded_state_dict", "unshard_tensor",
     "sharded_state_dict", "load_sharded_state_dict", "sharded_optim_state_dict", "load_sharded_optim_state_dict",
 ]

@@ -48,8 +48,8 @@ def _all_gather_seq(x: torch.Tensor, group, seq_dim: int = 0, async_op: bool = F
 
 def _check_seq_divisible(what: str, x: torch.Tensor, tp_size: int, seq_dim: int):
     if x.dim() <= seq_dim or x.shape[seq_dim] % tp_size:
-        raise ValueError(f"{what}: the sequence dim (dim {seq_dim} of shape {tuple(x.shape)}) must be "
-                         f"divisible by the tensor-parallel size ({tp_size})")
+        raise ValueError(f"{what}: the sequence dim (the dim sequence parallelism splits: dim {seq_dim} of shape "
+                         f"{tuple(x.shape)}) must be divisible by the tensor-parallel size ({tp_size})")
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group, seq_dim: int = 0, async_op: bool = False):

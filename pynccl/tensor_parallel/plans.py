@@ -17,12 +17,14 @@ all-gather's worth of traffic per forward, for the whole model. Dropout on shard
 draws per-rank masks (use get_rng_tracker for reproducible ones); the tests run without dropout.
 
 sequence_dim: which dim of the [b, s, h] activations a sequence-parallel region splits. 1, the
-sequence (torchtitan's layout), is the default. 0 splits the batch instead: the norms, residuals
-and dropout between the blocks are per token, so any split of the tokens computes the same
-values, and a batch slab is contiguous, so each all-gather writes the whole tensor in place and
+sequence (torchtitan's layout), is the default. 0 splits the batch instead: the norms and residuals
+between the blocks are per token, so any split of the tokens computes the same values (dropout
+draws its masks per rank either way), and a batch slab is contiguous, so each all-gather writes the whole tensor in place and
 each reduce-scatter reads its input as it is (with dim 1 and a batch above 1 every rank's chunk
 is strided: a relayout copy per collective, as Megatron avoids by its [s, b, h] layout). The batch
-must divide by the TP size (else ValueError at the first forward, naming the dim).
+must divide by the TP size (else ValueError at the first forward, naming the dim). With sequence
+parallelism the Llama plan refuses a partial logits_to_keep (AllPositionLogits): the model would
+slice a token shard.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from typing import Dict
 from .loss_parallel import LossParallel
 from .plan import ParallelStyle, Replicate, Shard
 from .relayout import PrepareModuleInput, PrepareModuleOutput
-from .styles import ColwiseParallel, LocalHeads, RowwiseParallel, SequenceParallel
+from .styles import AllPositionLogits, ColwiseParallel, LocalHeads, RowwiseParallel, SequenceParallel
 
 SEQUENCE_DIMS = (0, 1)  # of Hugging Face's [b, s, h]: the batch or the sequence (see the module docstring)
 
@@ -68,7 +70,8 @@ def llama(sequence_parallel: bool = False, loss_parallel: bool = True, sequence_
     head_dim), so the column-split projections give the local heads, and the eager / SDPA
     attention read only num_key_value_groups, the unchanged ratio. sequence_dim: see the module
     docstring."""
-    seq = _sequence_layout(sequence_dim) if sequence_parallel else None
+    split = _sequence_layout(sequence_dim)      # checked with sequence parallelism off too
+    seq = split if sequence_parallel else None
     out = seq or Replicate()
     layer = "model.layers.*"
     plan: Dict[str, object] = {
@@ -92,8 +95,11 @@ def llama(sequence_parallel: bool = False, loss_parallel: bool = True, sequence_
             f"{layer}.post_attention_layernorm": SequenceParallel(sequence_dim=sequence_dim),
             "model.norm": SequenceParallel(sequence_dim=sequence_dim),
         })
-    if loss_parallel:
-        plan[""] = LossParallel()
+    # NOTE: with sequence parallelism the model slices its final norm's token shard for logits_to_keep
+    # before lm_head gathers it: AllPositionLogits refuses a partial one (GPT-2's gathers at ln_f).
+    root = ((LossParallel(),) if loss_parallel else ()) + ((AllPositionLogits(),) if seq is not None else ())
+    if root:
+        plan[""] = root if len(root) > 1 else root[0]
     return plan
 
 
@@ -103,7 +109,8 @@ def gpt2(sequence_parallel: bool = False, loss_parallel: bool = True, sequence_d
     own (num_fused=3: rank r keeps q_r|k_r|v_r); c_proj along its input dim 0. The attention's
     split_size, num_heads and embed_dim become per-rank values. wte and the tied lm_head share
     one vocabulary-split weight. sequence_dim: see the module docstring."""
-    seq = _sequence_layout(sequence_dim) if sequence_parallel else None
+    split = _sequence_layout(sequence_dim)
+    seq = split if sequence_parallel else None
     out = seq or Replicate()
     block = "transformer.h.*"
     plan: Dict[str, object] = {

@@ -3,13 +3,15 @@ ColwiseParallel / RowwiseParallel shard nn.Linear, nn.Embedding and Hugging Face
 the Megatron-layout layers' own sharding (sharding.py) and replace their forward by the same
 functions as those layers (sharded_ops.py), the layouts mapped onto their arguments; SequenceParallel runs a module
 with replicated parameters on a sequence shard; LocalHeads makes an attention module's head
-counts per-rank. PrepareModuleInput / PrepareModuleOutput, which re-lay a module's inputs or
+counts per-rank; AllPositionLogits refuses a partial logits_to_keep where the LM head's input is a
+token shard. PrepareModuleInput / PrepareModuleOutput, which re-lay a module's inputs or
 outputs, are in relayout.py.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -189,6 +191,28 @@ class SequenceParallel(ParallelStyle):
                     where[attr] = old
 
         set_forward(module, self, forward)
+
+
+class AllPositionLogits(ParallelStyle):
+    """A Hugging Face *ForCausalLM whose final hidden states reach its LM head as token shards
+    (sequence parallelism, the head gathering them itself): its forward slices those states for
+    `logits_to_keep` before the head, which would keep positions of this rank's shard, not of the
+    sequence. A call asking for anything but every position (logits_to_keep other than 0) raises
+    ValueError instead."""
+
+    def __repr__(self):
+        return "AllPositionLogits()"
+
+    def apply(self, module, name, group, sharded):
+        def hook(mod, args, kwargs):
+            keep = kwargs.get("logits_to_keep", 0)
+            if isinstance(keep, torch.Tensor) or keep != 0:
+                shown = f"a tensor of shape {tuple(keep.shape)}" if isinstance(keep, torch.Tensor) else repr(keep)
+                raise ValueError(f"{type(mod).__name__}: logits_to_keep={shown} under sequence parallelism: the "
+                                 "model slices its final hidden states before the LM head, and they are this "
+                                 "rank's token shard there. Call it with logits_to_keep=0 (every position) and "
+                                 "slice the logits, or parallelize it without sequence parallelism")
+        module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 class LocalHeads(ParallelStyle):
