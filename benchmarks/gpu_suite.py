@@ -229,11 +229,12 @@ def groups(n):
         # its collectives) beside tp in the same run, eager and compiled, then with the decomposed
         # sequence-parallel ops (PYNCCL_TP_ASYNC=1) compiled; the one-GPU floor in each.
         "tpspbatch": [("tpspbatch_tests", 120, f"{TESTS} tests/test_tp_plan_gpu.py"),
-                      _train(n, "llama1b_tp_sp_batch", f"{L1B} --batch {max(4, n)} --strategy tp,tp-sp --impl pynccl "
-                                                       "--compile both --floor --sp-dim 0 --warmup 3 --steps 8", cap=300),
-                      _train(n, "llama1b_tp_sp_batch_async", f"{L1B} --batch {max(4, n)} --strategy tp-sp --impl pynccl "
-                                                             "--compile on --floor --sp-dim 0 --warmup 3 --steps 8",
-                             cap=180, env="PYNCCL_TP_ASYNC=1 ")],
+                      _train(n, "llama1b_tp_sp_batch", f"{L1B} --batch {max(4, n)} --strategy tp,tp-sp "
+                                                       "--impl pynccl --compile both --floor --sp-dim 0 "
+                                                       "--warmup 3 --steps 8", cap=300),
+                      _train(n, "llama1b_tp_sp_batch_async", f"{L1B} --batch {max(4, n)} --strategy tp-sp "
+                                                             "--impl pynccl --compile on --floor --sp-dim 0 "
+                                                             "--warmup 3 --steps 8", cap=180, env="PYNCCL_TP_ASYNC=1 ")],
         "zero3floor": [_train(n, "llama1b_zero3floor", f"{L1B} --batch 4 --strategy zero3 --compile both --floor "
                                                        "--warmup 3 --steps 8", cap=540)],
         "nanogpt": [("nanogpt", 300, f"python3 benchmarks/nanogpt_swap.py --nproc {n} --json {{out}}/nanogpt.json "

@@ -144,7 +144,8 @@ def _error_checks(group):
         sp_model(input_ids=odd, labels=odd)
     batch_model = tp.parallelize_module(build(llama_config(**ok)), group, tp.plans.llama(True, sequence_dim=0))
     odd_batch = torch.zeros(ws + 1, SEQ_LEN, dtype=torch.long)
-    with pytest.raises(ValueError, match=rf"sequence dim \(.*: dim 0 of shape \({ws + 1}, .*\) must be divisible .*\({ws}\)"):
+    with pytest.raises(ValueError,
+                       match=rf"sequence dim \(.*: dim 0 of shape \({ws + 1}, .*\) must be divisible .*\({ws}\)"):
         batch_model(input_ids=odd_batch, labels=odd_batch)
     for plans_of in (tp.plans.llama, tp.plans.gpt2):
         for bad in (2, -1, True, "1", None):

@@ -17,18 +17,18 @@ all-gather's worth of traffic per forward, for the whole model. Dropout on shard
 draws per-rank masks (use get_rng_tracker for reproducible ones); the tests run without dropout.
 
 sequence_dim: which dim of the [b, s, h] activations a sequence-parallel region splits. 1, the
-sequence (torchtitan's layout), is the default. 0 splits the batch instead: the norms and residuals
-between the blocks are per token, so any split of the tokens computes the same values (dropout
-draws its masks per rank either way), and a batch slab is contiguous, so each all-gather writes the whole tensor in place and
-each reduce-scatter reads its input as it is (with dim 1 and a batch above 1 every rank's chunk
-is strided: a relayout copy per collective, as Megatron avoids by its [s, b, h] layout). The batch
-must divide by the TP size (else ValueError at the first forward, naming the dim). With sequence
-parallelism the Llama plan refuses a partial logits_to_keep (AllPositionLogits): the model would
-slice a token shard.
+sequence (torchtitan's layout), is the default. 0 splits the batch instead: the norms and
+residuals between the blocks are per token, so any split of the tokens computes the same values
+(dropout draws its masks per rank either way), and a batch slab is contiguous, so each all-gather
+writes the whole tensor in place and each reduce-scatter reads its input as it is (with dim 1 and
+a batch above 1 every rank's chunk is strided: a relayout copy per collective, as Megatron avoids
+by its [s, b, h] layout). The batch must divide by the TP size (else ValueError at the first
+forward, naming the dim). With sequence parallelism the Llama plan refuses a partial
+logits_to_keep (AllPositionLogits): the model would slice a token shard.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 from .loss_parallel import LossParallel
 from .plan import ParallelStyle, Replicate, Shard
@@ -38,11 +38,13 @@ from .styles import AllPositionLogits, ColwiseParallel, LocalHeads, RowwiseParal
 SEQUENCE_DIMS = (0, 1)  # of Hugging Face's [b, s, h]: the batch or the sequence (see the module docstring)
 
 
-def _sequence_layout(sequence_dim: int) -> Shard:
+def _token_shard(sequence_parallel: bool, sequence_dim: int) -> Optional[Shard]:
+    """The layout of the activations between the blocks: Shard(sequence_dim), or None without
+    sequence parallelism (sequence_dim is checked either way: a typo is an error, not ignored)."""
     if type(sequence_dim) is not int or sequence_dim not in SEQUENCE_DIMS:
         raise ValueError(f"plans: sequence_dim must be 0 (the batch) or 1 (the sequence) of the [b, s, h] "
                          f"activations, got {sequence_dim!r}")
-    return Shard(sequence_dim)
+    return Shard(sequence_dim) if sequence_parallel else None
 
 
 def _lm_head(seq, loss_parallel: bool) -> ColwiseParallel:
@@ -70,8 +72,7 @@ def llama(sequence_parallel: bool = False, loss_parallel: bool = True, sequence_
     head_dim), so the column-split projections give the local heads, and the eager / SDPA
     attention read only num_key_value_groups, the unchanged ratio. sequence_dim: see the module
     docstring."""
-    split = _sequence_layout(sequence_dim)      # checked with sequence parallelism off too
-    seq = split if sequence_parallel else None
+    seq = _token_shard(sequence_parallel, sequence_dim)
     out = seq or Replicate()
     layer = "model.layers.*"
     plan: Dict[str, object] = {
@@ -109,8 +110,7 @@ def gpt2(sequence_parallel: bool = False, loss_parallel: bool = True, sequence_d
     own (num_fused=3: rank r keeps q_r|k_r|v_r); c_proj along its input dim 0. The attention's
     split_size, num_heads and embed_dim become per-rank values. wte and the tied lm_head share
     one vocabulary-split weight. sequence_dim: see the module docstring."""
-    split = _sequence_layout(sequence_dim)
-    seq = split if sequence_parallel else None
+    seq = _token_shard(sequence_parallel, sequence_dim)
     out = seq or Replicate()
     block = "transformer.h.*"
     plan: Dict[str, object] = {
