@@ -213,7 +213,10 @@ def groups(n):
                                            f"--tp {max(n, 2)} --modes eager,compiled,graphed"),
                     ("tp_rank_floor_sp", 300, f"CUDA_VISIBLE_DEVICES=0 python3 benchmarks/tp_rank_floor.py {L1B} "
                                               f"--batch 4 --tp {max(n, 2)} --modes eager,compiled,graphed "
-                                              "--sequence-parallel")],
+                                              "--sequence-parallel"),
+                    ("tp_rank_floor_sp_batch", 300, f"CUDA_VISIBLE_DEVICES=0 python3 benchmarks/tp_rank_floor.py {L1B} "
+                                                    f"--batch 4 --tp {max(n, 2)} --modes eager,compiled,graphed "
+                                                    "--sequence-parallel --sequence-dim 0")],
         # Where TP's step goes against one GPU's: GPU time by kernel category (--profile), eager and compiled.
         "tpprofile": [_train(n, "llama1b_tpprofile", f"{L1B} --batch 4 --strategy tp --impl pynccl --compile both "
                                                      "--floor --profile --warmup 3 --steps 6", cap=300)],

@@ -15,7 +15,10 @@ rank model by hooks (`sequence_parallel_hooks`): the decoder layers, their norms
 the final norm see this rank's 1/tp of the sequence; each attention and MLP block's input is made
 whole (the all-gather, here a concatenation: its local copy, no wire) and its output cut to the
 rank's shard (the reduce-scatter, here a slice); the LM head reads the whole sequence. The test
-holds every hooked module's input and output shapes equal to a gloo SP rank's.
+holds every hooked module's input and output shapes equal to a gloo SP rank's. With --sequence-dim 0
+(`plans.llama(sequence_parallel=True, sequence_dim=0)`) the shard is 1/tp of the batch instead:
+contiguous slabs, so the stand-ins copy as the collectives would (none for a slice of dim 0); the
+batch must divide by tp.
 
     python benchmarks/tp_rank_floor.py --model hf-llama --hidden 2048 --layers 16 --heads 32 \\
         --kv-heads 8 --intermediate 8192 --vocab 32000 --seq 2048 --batch 4 --tp 2 --modes eager,compiled,graphed
@@ -42,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--sequence-parallel", action="store_true",
                    help="a rank of plans.llama(sequence_parallel=True), emulated (module docstring)")
+    p.add_argument("--sequence-dim", type=int, choices=[0, 1],
+                   help="with --sequence-parallel, the dim it splits: 1 the sequence (the default), 0 the batch")
     p.add_argument("--modes", default="eager,compiled,graphed",
                    help="comma-separated: eager, compiled (each block compiled), graphed (reduce-overhead)")
     p.add_argument("--steps", type=int, default=10)
@@ -52,6 +57,11 @@ def parse_args(argv=None):
     bad = [m for m in modes if m not in ("eager", "compiled", "graphed")]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from eager, compiled, graphed")
+    if args.sequence_dim is not None and not args.sequence_parallel:
+        p.error("--sequence-dim is the dim sequence parallelism splits: it needs --sequence-parallel")
+    args.sequence_dim = 1 if args.sequence_dim is None else args.sequence_dim
+    if args.sequence_parallel and args.sequence_dim == 0 and args.batch % args.tp:
+        p.error(f"--sequence-dim 0 splits the batch: --batch ({args.batch}) must divide by --tp ({args.tp})")
     return args, modes
 
 
@@ -86,14 +96,15 @@ def _on_output(fn):
     return hook
 
 
-def sequence_parallel_hooks(model, tp: int) -> list:
-    """Make a rank model (rank_config) compute as a rank of plans.llama(sequence_parallel=True), with
-    local stand-ins for its collectives (module docstring); returns the hook handles."""
-    def shard(t):      # the reduce-scatter's output shape: this rank's 1/tp of the sequence (dim 1)
-        return t.narrow(1, 0, t.shape[1] // tp)
+def sequence_parallel_hooks(model, tp: int, sequence_dim: int = 1) -> list:
+    """Make a rank model (rank_config) compute as a rank of plans.llama(sequence_parallel=True,
+    sequence_dim=sequence_dim), with local stand-ins for its collectives (module docstring); returns
+    the hook handles."""
+    def shard(t):      # the reduce-scatter's output shape: this rank's 1/tp of the sequence or batch
+        return t.narrow(sequence_dim, 0, t.shape[sequence_dim] // tp)
 
     def whole(t):      # the all-gather's: tp shards side by side
-        return torch.cat([t] * tp, dim=1)
+        return torch.cat([t] * tp, dim=sequence_dim)
     handles = [model.model.layers[0].register_forward_pre_hook(_on_hidden(shard), with_kwargs=True),
                model.lm_head.register_forward_pre_hook(_on_hidden(whole), with_kwargs=True)]
     for layer in model.model.layers:
@@ -110,7 +121,7 @@ def step_ms(config, mode: str, args, sequence_parallel: bool = False) -> float:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device)
     if sequence_parallel:
-        sequence_parallel_hooks(model, args.tp)
+        sequence_parallel_hooks(model, args.tp, args.sequence_dim)
     if mode != "eager":
         for block in model.model.layers:
             block.compile(**({} if mode == "compiled" else {"mode": "reduce-overhead"}))
@@ -141,9 +152,10 @@ def main(argv=None):
     whole = hf_config(args)
     rank = rank_config(whole, args.tp)
     sp = args.sequence_parallel
+    split = f", sequence parallel along the {('batch', 'sequence')[args.sequence_dim]}" if sp else ""
     print(f"# tp_rank_floor: hidden {args.hidden}, {args.layers} layers, batch {args.batch} x {args.seq}; a tp "
           f"{args.tp} rank keeps {rank.num_attention_heads} heads, {rank.num_key_value_heads} KV heads, intermediate "
-          f"{rank.intermediate_size}, vocabulary {rank.vocab_size}{', sequence parallel' if sp else ''}; "
+          f"{rank.intermediate_size}, vocabulary {rank.vocab_size}{split}; "
           f"{torch.__version__} on {args.device}", flush=True)
     what = "sequence-parallel rank's" if sp else "rank's"
     for mode in modes:

@@ -1,9 +1,10 @@
 """benchmarks/tp_rank_floor.py: the model it times as one tensor-parallel rank's compute has exactly
 the parameter shapes of a rank of pynccl's plans.llama() (gloo, tp 2, by name), so its step is what
 that rank computes with no communication; with --sequence-parallel every norm, attention and MLP
-block and the LM head see the shapes a rank of plans.llama(sequence_parallel=True) sees; sizes that
-do not divide are refused; the script runs end to end (CPU, a tiny model) and prints each mode's
-ratio."""
+block and the LM head see the shapes a rank of plans.llama(sequence_parallel=True) sees, with
+--sequence-dim 0 those of the batch split's rank; sizes that do not divide and a --sequence-dim
+without --sequence-parallel are refused; the script runs end to end (CPU, a tiny model) and prints
+each mode's ratio."""
 import os
 import re
 import subprocess
@@ -64,9 +65,10 @@ def _recorded_shapes(model):
     return seen
 
 
-def _sp_rank_shapes(rank, world):
+def _sp_rank_shapes(rank, world, sequence_dim=1):
     model = tp.parallelize_module(transformers.LlamaForCausalLM(llama_config(use_cache=False)),
-                                  pynccl.get_default_group(), tp.plans.llama(sequence_parallel=True))
+                                  pynccl.get_default_group(),
+                                  tp.plans.llama(sequence_parallel=True, sequence_dim=sequence_dim))
     return _recorded_shapes(model)
 
 
@@ -82,9 +84,32 @@ def test_sequence_parallel_emulation_has_an_sp_ranks_shapes():
     assert ("model.layers.0.mlp", "in", (2, 8, 64)) in emulated and ("lm_head", "out", (2, 8, 64)) in emulated
 
 
+def test_batch_split_emulation_has_a_batch_split_ranks_shapes():
+    """sequence_dim=0: the norms and residuals on 1 of 2 sequences, whole in length; each block's input
+    both sequences, its output this rank's one; the logits both sequences, half the vocabulary."""
+    real = run_multiprocess(_sp_rank_shapes, 2, args=(0,), timeout=180)
+    model = transformers.LlamaForCausalLM(tp_rank_floor.rank_config(llama_config(use_cache=False), 2))
+    tp_rank_floor.sequence_parallel_hooks(model, 2, sequence_dim=0)
+    emulated = _recorded_shapes(model)
+    assert real[0] == real[1] == emulated, [(r, e) for r, e in zip(real[0], emulated) if r != e]
+    assert ("model.layers.0.input_layernorm", "in", (1, 8, 64)) in emulated
+    assert ("model.layers.0.mlp", "in", (2, 8, 64)) in emulated
+    assert ("model.layers.0.mlp", "out", (1, 8, 64)) in emulated
+    assert ("lm_head", "out", (2, 8, 64)) in emulated
+
+
 def test_sizes_that_do_not_divide_are_refused():
     with pytest.raises(ValueError, match=r"num_key_value_heads \(2\) does not divide by tp \(4\)"):
         tp_rank_floor.rank_config(llama_config(heads=4, kv_heads=2), 4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sequence-parallel", "--sequence-dim", "0", "--batch", "3"], r"--batch \(3\) must divide by --tp \(2\)"),
+    (["--sequence-dim", "0"], "it needs --sequence-parallel")])
+def test_bad_sequence_dim_flags_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        tp_rank_floor.parse_args(argv)
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_script_runs_and_prints_each_modes_ratio():
