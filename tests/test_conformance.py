@@ -46,14 +46,17 @@ AFTER_TORCH_2_11: Dict[Tuple[str, str], str] = {
 NO_SIGNATURE = {"ProcessGroup": "torch's is a C++ class; pynccl's is made by new_group, never by users: "
                                 "rank() and size() as torch's (checked on gloo)"}
 # Behaviour that differs on purpose (the README's interop table shows these).
+TAGS = "; on nccl, as in torch, tags are not matched (NCCL has none): ops pair in posting order"
 NOTES: Dict[str, str] = {
     "init_process_group": "backend 'nccl' runs pynccl's communicator (CUDA tensors only; CPU tensors go "
                           "through torch.distributed, whose default group pynccl makes 'cpu:gloo,cuda:nccl'); "
                           "pg_options is a pynccl NcclOptions",
     "new_group": "pg_options and use_local_synchronization=True refused (pass a torch group made with them)",
     "split_group": "runs on gloo too (torch's is NCCL-only)",
-    "irecv": "src=None (any source) refused; the blocking recv(src=None) has it on gloo",
-    "recv": "src=None (any source): gloo only (NCCL has none)",
+    "irecv": "src=None (any source) refused; the blocking recv(src=None) has it on gloo" + TAGS,
+    "recv": "src=None (any source): gloo only (NCCL has none)" + TAGS,
+    "isend": TAGS[2:],
+    "send": TAGS[2:],
     "recv_object_list": "src=None receives from any rank (gloo), where torch 2.11 requires src",
     "barrier": "device_ids must be the group's device",
     "monitored_barrier": "runs on nccl too (through the store) and names the missing ranks on every rank",
@@ -63,7 +66,7 @@ NOTES: Dict[str, str] = {
     "is_nccl_available": "whether pynccl's NCCL extension is built (torch's: whether torch has NCCL)",
     "P2POp": "torch's P2POp objects are taken by pynccl.batch_isend_irecv too (op mapped by identity); checked "
              "through batch_isend_irecv",
-    "batch_isend_irecv": "as torch's per backend: one Work for the batch on nccl, one per op on gloo",
+    "batch_isend_irecv": "as torch's per backend: one Work for the batch on nccl, one per op on gloo" + TAGS,
     "all_to_all": "torch 2.11's gloo lacks it: pynccl's result checked against the closed form there",
     "all_reduce_coalesced": "a mix of dtypes is taken (one all-reduce per dtype); torch refuses it",
     "all_gather_into_tensor": "on gloo, the stacked (world_size, n) output is taken too; torch's gloo takes the "

@@ -7,8 +7,9 @@ buffer, reduced or gathered, and copied back.
 """
 from __future__ import annotations
 
+import threading
 import warnings
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -29,21 +30,44 @@ class CoalescedWork(Work):
         self._flats = flats
         self._targets = targets
         self._done = False
+        # NOTE: the copy-back runs once, whichever of wait(), is_completed() and the future's
+        # callback (gloo's worker thread) gets there first.
+        self._lock = threading.Lock()
 
     def wait(self, timeout=None) -> bool:
         if self._done:
             return True
         for w in self._works:
             w.wait(timeout)
-        for flat, tensors in zip(self._flats, self._targets):
-            for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
-                t.copy_(chunk.view_as(t))
-        self._done = True
+        with self._lock:
+            if not self._done:
+                for flat, tensors in zip(self._flats, self._targets):
+                    for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
+                        t.copy_(chunk.view_as(t))
+                self._done = True
         return True
 
     def is_completed(self) -> bool:
-        """Whether the reduces have finished; the tensors hold the results after wait()."""
-        return self._done or all(w.is_completed() for w in self._works)
+        """Non-blocking: True once the ops have finished and their results are copied back into the
+        caller's tensors (or an op failed: exception()). NOTE: on CUDA the copy-back is then queued on
+        the current stream, so the tensors hold the results in its order, as after wait()."""
+        if self._done:
+            return True
+        if not all(w.is_completed() for w in self._works):
+            return False
+        try:
+            self.wait()   # no host wait: the ops have completed
+        except Exception:  # noqa: BLE001 - an op's error: exception() gives it, wait() raises it
+            pass
+        return True
+
+    def exception(self) -> Optional[BaseException]:
+        """The first failed op's error, else None (on nccl, as its Work's exception(): unavailable)."""
+        for w in self._works:
+            error = w.exception()
+            if error is not None:
+                return error
+        return None
 
     def get_future(self) -> torch.futures.Future:
         """Completed once the ops are, with the results copied back; value: the caller's tensors.

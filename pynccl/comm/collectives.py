@@ -289,5 +289,8 @@ class _BarrierWork(Work):
     def is_completed(self) -> bool:
         return self._work.is_completed()
 
+    def exception(self):
+        return self._work.exception()
+
     def synchronize(self, timeout_s=None) -> bool:
         return self._work.synchronize(timeout_s)

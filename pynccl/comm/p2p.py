@@ -2,6 +2,11 @@
 and semantics (global `dst`/`src`/`peer` or `group_dst`/`group_src`/`group_peer`; NON_GROUP_MEMBER
 as torch treats it, membership.py). torch's own P2POp objects are taken by batch_isend_irecv too,
 their op mapped by identity (torch.distributed.isend / irecv), never by name.
+
+Tags (`tag=` of every op here and of P2POp): on gloo a receive takes its peer's send of the same tag,
+as torch's gloo; on nccl tags are not matched (NCCL has none; torch's ProcessGroupNCCL ignores them
+too): sends and receives between two ranks pair in the order they are posted. A tag of 0 takes the
+backend's own op (the nccl hot path, straight into C++); another, the backend's `*_tagged` op.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ class P2POp:
 
     `op` is pynccl.isend or pynccl.irecv (torch.distributed.isend / irecv are the same ops; the
     strings "isend" / "irecv" are taken too); `peer` a global rank or `group_peer` a rank of
-    `group` (exactly one). `tag` is accepted and unused, as NCCL has no tags (torch's NCCL too).
+    `group` (exactly one). `tag`: on gloo the receive takes the send of the same tag (torch's gloo);
+    on nccl tags are not matched, as in torch (NCCL has none): ops pair in the order they are posted.
     """
 
     __slots__ = ("op", "tensor", "peer", "group", "tag", "group_peer", "is_send")
@@ -50,32 +56,44 @@ def _is_send_op(op) -> bool:
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None) -> None:
-    """Blocking send to global rank `dst` (or group rank `group_dst`); not to this rank (torch)."""
+    """Blocking send to global rank `dst` (or group rank `group_dst`); not to this rank (torch).
+    `tag`: matched by the receive on gloo; not matched on nccl, as in torch (module docstring)."""
     if is_non_member(group):
         raise non_member_error("send")
     g = resolve_group(group)
     peer = root_rank(g, "send", dst, group_dst, "dst")
     _check_tensor("send", "tensor", tensor)
     _check_not_self("send", g, peer, "dst")
-    g.backend.send(tensor, peer, False)
+    _send(g.backend, tensor, peer, False, tag)
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None) -> int:
     """Receive into `tensor` from global rank `src` (or group rank `group_src`); returns the sender's
     global rank (-1 on NON_GROUP_MEMBER, as torch). src=None and group_src=None receive from
     whichever rank sends (torch's any-source recv): gloo only, NCCL has none (ValueError naming
-    the alternatives)."""
+    the alternatives). `tag`: only a send of the same tag matches on gloo; not matched on nccl, as
+    in torch (module docstring)."""
     if is_non_member(group):
         warn_not_in_group("irecv")
         return -1
     g = resolve_group(group)
     _check_tensor("recv", "tensor", tensor)
     if src is None and group_src is None:
-        return g.ranks[g.backend.recv_any_source(tensor)]
+        return g.ranks[g.backend.recv_any_source(tensor, tag)]
     peer = root_rank(g, "recv", src, group_src, "src")
     _check_not_self("recv", g, peer, "src")
-    g.backend.recv(tensor, peer, False)
+    _recv(g.backend, tensor, peer, False, tag)
     return g.ranks[peer]
+
+
+def _send(backend, tensor, peer: int, async_op: bool, tag: int):
+    # NOTE: tag 0 calls the backend's own op (on nccl the bound C++ method); another tag its *_tagged op,
+    # which gloo passes on to torch and nccl drops (base.Backend).
+    return backend.send(tensor, peer, async_op) if tag == 0 else backend.send_tagged(tensor, peer, async_op, tag)
+
+
+def _recv(backend, tensor, peer: int, async_op: bool, tag: int):
+    return backend.recv(tensor, peer, async_op) if tag == 0 else backend.recv_tagged(tensor, peer, async_op, tag)
 
 
 def _check_not_self(fn: str, g, peer: int, what: str) -> None:
@@ -85,16 +103,18 @@ def _check_not_self(fn: str, g, peer: int, what: str) -> None:
 
 
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None) -> Optional[Work]:
+    """send without waiting; returns its Work. `tag`: as send's (matched on gloo, not on nccl)."""
     if is_non_member(group):
         warn_not_in_group("isend")
         return None
     g = resolve_group(group)
     peer = root_rank(g, "isend", dst, group_dst, "dst")
     _check_tensor("isend", "tensor", tensor)
-    return _async(g.backend.send(tensor, peer, True), [tensor])
+    return _async(_send(g.backend, tensor, peer, True, tag), [tensor])
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None) -> Optional[Work]:
+    """recv without waiting; returns its Work. `tag`: as recv's (matched on gloo, not on nccl)."""
     _check_tensor("irecv", "tensor", tensor)
     if is_non_member(group):
         warn_not_in_group("irecv")
@@ -103,16 +123,16 @@ def irecv(tensor, src=None, group=None, tag=0, group_src=None) -> Optional[Work]
     if src is None and group_src is None:
         raise NotImplementedError("irecv: src=None (any source) is not supported; use the blocking "
                                   "recv(tensor, src=None) on gloo (it returns the sender), or pass src=")
-    return _async(g.backend.recv(tensor, root_rank(g, "irecv", src, group_src, "src"), True), [tensor])
+    return _async(_recv(g.backend, tensor, root_rank(g, "irecv", src, group_src, "src"), True, tag), [tensor])
 
 
 def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
     """All sends and receives of the list at once; returns what torch 2.11 returns for the backend:
     on nccl one Work for the whole batch in a list (torch's ProcessGroupNCCL coalesces the batch),
     on gloo one Work per op, in the list's order (each completes with its own op). torch's P2POp
-    objects are taken as well as pynccl's."""
-    g, ops = _batch(p2p_op_list)
-    works = g.backend.batch_isend_irecv_works(ops)
+    objects are taken as well as pynccl's. Each op's tag is matched on gloo, not on nccl (as torch)."""
+    g, ops, tags = _batch(p2p_op_list)
+    works = g.backend.batch_isend_irecv_works(ops, tags)
     if len(works) == len(ops):   # one Work per op: its future's value is its own tensor
         return [_async(w, [t]) for w, (_, t, _) in zip(works, ops)]
     return [_async(w, [t for _, t, _ in ops]) for w in works]
@@ -120,13 +140,15 @@ def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
 
 def batch_work(p2p_op_list: List[P2POp]) -> Work:
     """pynccl's own: the batch as one Work on either backend (one NCCL group), for callers that
-    wait on the batch as a whole (pipeline exchanges, per micro-batch)."""
-    g, ops = _batch(p2p_op_list)
-    return _async(g.backend.batch_isend_irecv(ops), [t for _, t, _ in ops])
+    wait on the batch as a whole (pipeline exchanges, per micro-batch). Tags as batch_isend_irecv's."""
+    g, ops, tags = _batch(p2p_op_list)
+    work = g.backend.batch_isend_irecv(ops) if tags is None else g.backend.batch_isend_irecv_tagged(ops, tags)
+    return _async(work, [t for _, t, _ in ops])
 
 
 def _batch(p2p_op_list):
-    """(group, [(is_send, tensor, group-local peer)]) of a list of P2POp (pynccl's or torch's)."""
+    """(group, [(is_send, tensor, group-local peer)], the ops' tags or None where all are 0) of a list
+    of P2POp (pynccl's or torch's)."""
     if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
         raise ValueError("batch_isend_irecv: expected a non-empty list of P2POp")
     if type(p2p_op_list[0]) is not P2POp:
@@ -149,7 +171,8 @@ def _batch(p2p_op_list):
         else:
             peer = root_rank(g, "batch_isend_irecv", None, p.group_peer, "peer")
         ops.append((p.is_send, p.tensor, peer))
-    return g, ops
+    tags = [p.tag for p in p2p_op_list]
+    return g, ops, (tags if any(tags) else None)
 
 
 def _from_torch(p, i: int) -> P2POp:

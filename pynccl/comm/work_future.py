@@ -16,6 +16,12 @@ Work), so the future's value is that list, as torch's (all_reduce: [tensor]).
   op's end event is recorded into the future from a side stream.
 * gloo (GlooWork) and CPU work: completed by gloo's worker thread when the op finishes (after what
   must follow it, e.g. AVG's division); then() callbacks run then.
+
+Work.result() / is_success() / exception() (torch's, deprecated there): on gloo as torch's gloo Work
+(backends/base.py). On pynccl._C.Work as torch's ProcessGroupNCCL Work: result() gives the output
+tensors at once (their values are ordered after the op on the GPU, as get_future()'s);
+is_success() raises, as torch's WorkNCCL; exception() raises too: the C++ Work keeps no error of its
+own (wait() / synchronize() raise the communicator's).
 """
 from __future__ import annotations
 
@@ -67,6 +73,24 @@ def cuda_work_future(work) -> torch.futures.Future:
     return fut
 
 
+def cuda_work_result(work) -> List:
+    """result() of a pynccl._C.Work, as torch's WorkNCCL::result: the op's output tensors (get_future()'s
+    value), without waiting; read them after wait() (the current stream) or synchronize() (the host)."""
+    return list(outputs_of(work))
+
+
+def cuda_work_is_success(work) -> bool:
+    raise NotImplementedError(f"Work.is_success: not available on an nccl Work ({work.op}, seq {work.seq}), as on "
+                              f"torch's (WorkNCCL::isSuccess is deprecated there and raises); synchronize() raises "
+                              f"the op's error, is_completed() says whether it has finished")
+
+
+def cuda_work_exception(work):
+    raise NotImplementedError(f"Work.exception: an nccl Work ({work.op}, seq {work.seq}) keeps no error of its own; "
+                              f"wait() and synchronize() raise the communicator's error, as does the group's "
+                              f"backend.check()")
+
+
 def _flatten(value):
     for v in value:
         if isinstance(v, (list, tuple)):
@@ -113,9 +137,12 @@ def _host_wait(work, seconds: float) -> None:
 
 
 def install() -> None:
-    """Give pynccl._C.Work torch's get_future() and wait(timeout) (the C++ class is not ours to
-    extend in csrc)."""
+    """Give pynccl._C.Work torch's get_future(), wait(timeout), result(), is_success() and exception()
+    (the C++ class is not ours to extend in csrc)."""
     if _ext._C is None or hasattr(_ext._C.Work, "get_future"):
         return
     _ext._C.Work.get_future = cuda_work_future
     _ext._C.Work.wait = _timed_wait(_ext._C.Work.wait)
+    _ext._C.Work.result = cuda_work_result
+    _ext._C.Work.is_success = cuda_work_is_success
+    _ext._C.Work.exception = cuda_work_exception

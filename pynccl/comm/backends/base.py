@@ -26,7 +26,9 @@ class Work(abc.ABC):
     wait(timeout=None): the caller's current stream (CUDA) waits for the op; on CPU, the host
     waits, bounded by the group's timeout. As torch's Work.wait, a `timeout` (a timedelta, or
     seconds) makes the host wait for the op, at most that long, and raise CommTimeoutError past
-    it. is_completed(): non-blocking query.
+    it. is_completed(): non-blocking query; True only once the whole op, including what follows the
+    backend's call (gloo's AVG division, a reduce_scatter's copy-out), has written its output.
+    result() / is_success() / exception(): torch's (deprecated there, still callable), below.
     """
 
     @abc.abstractmethod
@@ -40,6 +42,28 @@ class Work(abc.ABC):
         This default waits first; GlooWork completes its future from gloo's thread instead."""
         self.wait()
         return completed_future(outputs_of(self))
+
+    def result(self) -> List[torch.Tensor]:
+        """torch's Work.result(): the op's output tensors in a list, the value get_future() gives
+        (all_reduce: [tensor]), once the op has completed. As torch's gloo Work: RuntimeError before
+        (call wait() first). A failed op raises its error (torch would return the unwritten tensors)."""
+        if not self.is_completed():
+            raise RuntimeError(f"Work.result: {self!r} has not completed; call wait() before result() "
+                               f"(torch's gloo Work requires it too)")
+        error = self.exception()
+        if error is not None:
+            raise error
+        return list(outputs_of(self))
+
+    def is_success(self) -> bool:
+        """torch's Work.is_success(): False once the op has failed, else True (also while it runs,
+        as torch's)."""
+        return self.exception() is None
+
+    def exception(self) -> Optional[BaseException]:
+        """torch's Work.exception(): the op's error once it has failed, else None."""
+        raise NotImplementedError(f"Work.exception: {type(self).__name__} keeps no record of its op's error; "
+                                  f"wait() raises it")
 
 
 if _ext._C is not None:
@@ -89,14 +113,26 @@ class Backend(abc.ABC):
     def send(self, tensor: torch.Tensor, peer: int, async_op: bool = False): ...
     @abc.abstractmethod
     def recv(self, tensor: torch.Tensor, peer: int, async_op: bool = False): ...
+
+    # torch's `tag` (p2p.py): on gloo a receive takes its peer's send of the same tag. NCCL has no tags
+    # (torch's ProcessGroupNCCL ignores them too): these defaults drop the tag; gloo overrides them.
+    def send_tagged(self, tensor: torch.Tensor, peer: int, async_op: bool, tag: int):
+        return self.send(tensor, peer, async_op)
+
+    def recv_tagged(self, tensor: torch.Tensor, peer: int, async_op: bool, tag: int):
+        return self.recv(tensor, peer, async_op)
+
+    def batch_isend_irecv_tagged(self, ops: List[tuple], tags: List[int]):
+        """batch_isend_irecv with tags[i] the tag of ops[i]."""
+        return self.batch_isend_irecv(ops)
     @abc.abstractmethod
     def batch_isend_irecv(self, ops: List[tuple]):
         """ops: list of (is_send: bool, tensor, group-local peer). One NCCL group. Returns a Work."""
 
-    def batch_isend_irecv_works(self, ops: List[tuple]) -> List[Work]:
+    def batch_isend_irecv_works(self, ops: List[tuple], tags: Optional[List[int]] = None) -> List[Work]:
         """torch's batch_isend_irecv result on this backend: torch's ProcessGroupNCCL coalesces the
         batch into one Work (a list of one); a backend that does not coalesce (gloo) overrides this
-        to return one Work per op."""
+        to return one Work per op. `tags`: each op's tag (None: all 0), dropped here as NCCL has none."""
         return [self.batch_isend_irecv(ops)]
     @abc.abstractmethod
     def barrier(self): ...
@@ -108,7 +144,7 @@ class Backend(abc.ABC):
         from ..reduce_op import ReduceOp
         return self.all_reduce(torch.zeros(1, device=self.device), ReduceOp.SUM, True)
 
-    def recv_any_source(self, tensor: torch.Tensor) -> int:
+    def recv_any_source(self, tensor: torch.Tensor, tag: int = 0) -> int:
         """Blocking receive from any rank; returns the sender's group rank. NCCL has none."""
         raise ValueError(f"recv: src=None (receive from any rank) is not possible on the {self.name!r} backend: "
                          f"NCCL has no any-source receive. Pass src= (e.g. send the sender's rank first on a "

@@ -264,35 +264,44 @@ class GlooBackend(Backend):
                                                group=self.pg, group_src=root, async_op=True),
                          tensor=output, peer=root)
 
-    def send(self, tensor, peer, async_op=False):
+    def send(self, tensor, peer, async_op=False, tag=0):
+        """`tag`: gloo's, as torch's: the peer's receive of the same tag takes it."""
         self._check("send", tensor)
         self._check_rank("send", "dst", peer)
         if peer == self.rank:
             raise ValueError(f"send: dst={peer} is this rank; gloo cannot send to itself")
-        return self._run("send", async_op, lambda: tdist.isend(tensor, group=self.pg, group_dst=peer),
+        return self._run("send", async_op, lambda: tdist.isend(tensor, group=self.pg, tag=tag, group_dst=peer),
                          tensor=tensor, peer=peer)
 
-    def recv(self, tensor, peer, async_op=False):
+    def recv(self, tensor, peer, async_op=False, tag=0):
+        """`tag`: gloo's, as torch's: takes the peer's send of the same tag."""
         self._check("recv", tensor)
         self._check_rank("recv", "src", peer)
         if peer == self.rank:
             raise ValueError(f"recv: src={peer} is this rank; gloo cannot receive from itself")
-        return self._run("recv", async_op, lambda: tdist.irecv(tensor, group=self.pg, group_src=peer),
+        return self._run("recv", async_op, lambda: tdist.irecv(tensor, group=self.pg, tag=tag, group_src=peer),
                          tensor=tensor, peer=peer)
 
-    def recv_any_source(self, tensor) -> int:
-        """Blocking receive from whichever rank sends first; returns its group rank (torch's
-        recv(src=None), which gloo has)."""
+    def send_tagged(self, tensor, peer, async_op, tag):
+        return self.send(tensor, peer, async_op, tag)
+
+    def recv_tagged(self, tensor, peer, async_op, tag):
+        return self.recv(tensor, peer, async_op, tag)
+
+    def recv_any_source(self, tensor, tag=0) -> int:
+        """Blocking receive from whichever rank sends first (with tag `tag`); returns its group rank
+        (torch's recv(src=None), which gloo has)."""
         self._check("recv", tensor)
         sender = []
 
         def start():
-            sender.append(tdist.recv(tensor, group=self.pg))   # blocks; returns a global rank
+            sender.append(tdist.recv(tensor, group=self.pg, tag=tag))   # blocks; returns a global rank
             return []
         self._run("recv", False, start, tensor=tensor)
         return tdist.get_group_rank(self.pg, sender[0]) if self.pg is not tdist.group.WORLD else sender[0]
 
-    def batch_isend_irecv(self, ops):
+    def batch_isend_irecv(self, ops, tags=None):
+        """`tags`: tags[i] is ops[i]'s gloo tag (None: all 0), matched as torch's gloo matches them."""
         for is_send, t, peer in ops:
             self._check("batch_isend_irecv", t)
             self._check_rank("batch_isend_irecv", "peer", peer)
@@ -301,14 +310,17 @@ class GlooBackend(Backend):
 
         def start():
             return tdist.batch_isend_irecv([
-                tdist.P2POp(tdist.isend if is_send else tdist.irecv, t, group=self.pg, group_peer=peer)
-                for is_send, t, peer in ops])
+                tdist.P2POp(tdist.isend if is_send else tdist.irecv, t, group=self.pg, tag=tag, group_peer=peer)
+                for (is_send, t, peer), tag in zip(ops, tags or [0] * len(ops))])
         return self._run("batch_isend_irecv", True, start)
 
-    def batch_isend_irecv_works(self, ops):
+    def batch_isend_irecv_tagged(self, ops, tags):
+        return self.batch_isend_irecv(ops, tags)
+
+    def batch_isend_irecv_works(self, ops, tags=None):
         """One GlooWork per op, as torch's batch_isend_irecv on gloo (no coalescing there): each
-        completes with its own op."""
-        batch = self.batch_isend_irecv(ops)   # its torch works: one per op
+        completes with its own op. `tags`: as batch_isend_irecv's."""
+        batch = self.batch_isend_irecv(ops, tags)   # its torch works: one per op
         self._unwaited = [w for w in self._unwaited if not w.is_completed()] + list(batch._works)
 
         def finish():   # the flight record's entry completes with the batch's last op
