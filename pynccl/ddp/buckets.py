@@ -149,6 +149,10 @@ class GradBucketer:
         self._early: set = set()                    # mark_ready_early's, in this armed backward
         self._order_now: List[int] = []
         self._stale_error: Optional[List[str]] = None
+        # prepare_for_backward(defer=True): called at the end of that backward with which parameters
+        # got a gradient, before every bucket is handed out (DDP's static_graph first iteration).
+        self.on_deferred_end: Optional[Callable[[List[bool]], None]] = None
+        self._deferred = False
         self.used = [False] * len(self.params)     # a gradient arrived since reset_used(), armed or not
         self.rebuild(list(range(len(self.params) - 1, -1, -1)))
 
@@ -214,7 +218,10 @@ class GradBucketer:
     def reset_used(self) -> None:
         self.used = [False] * len(self.params)
 
-    def prepare_for_backward(self, unused: Iterable[torch.Tensor] = ()) -> None:
+    def prepare_for_backward(self, unused: Iterable[torch.Tensor] = (), defer: bool = False) -> None:
+        """defer: hand nothing out during backward, only note who gets a gradient; at its end call
+        on_deferred_end(ready), then hand out every bucket in order (torch's static_graph first
+        iteration, whose unused parameters are only known then)."""
         self.check_prior_backward_finished()
         self._ready = [False] * len(self.params)
         for b in self.buckets:
@@ -224,6 +231,7 @@ class GradBucketer:
         self._pending_unused = [self._index_of[id(p)] for p in unused if id(p) in self._index_of]
         self._early = set()
         self._started = False
+        self._deferred = defer
         self._armed = True
 
     def disarm(self) -> None:
@@ -257,19 +265,40 @@ class GradBucketer:
     def _mark_idx(self, idx: int) -> None:
         if not self._started:
             self._started = True
+            if self._deferred:
+                self._queue(self._end_deferred)
             pending, self._pending_unused = self._pending_unused, []
             for i in pending:
                 self._mark(i)
         self._mark(idx)
 
-    def _mark(self, idx: int) -> None:
+    def _end_deferred(self) -> None:
+        """The end of a deferred backward: the caller learns from who got a gradient, then every
+        bucket goes out, in order; the first ready_order is the gradients' order, the rest after."""
+        ready, got = list(self._ready), list(self._order_now)
+        self._deferred = False
+        if self.on_deferred_end is not None:
+            self.on_deferred_end(ready)
+        self._ready = [False] * len(self.params)
+        for b in self.buckets:
+            b.num_pending = len(b.params)
+        self._next_bucket = 0
+        self._order_now = got + [i for i, r in enumerate(ready) if not r]
+        for b in self.buckets:
+            for i in b.param_indices:
+                self._mark(i, record=False)
+
+    def _mark(self, idx: int, record: bool = True) -> None:
         if self._ready[idx]:
             raise RuntimeError(
                 f"Expected to mark parameter '{self.param_names[idx]}' ready only once per backward. It got a "
                 "gradient twice: is it used in a reentrant checkpoint (use use_reentrant=False), or was backward "
                 "run twice on one forward? Unused parameters cannot also receive a gradient.")
         self._ready[idx] = True
-        self._order_now.append(idx)
+        if record:
+            self._order_now.append(idx)
+        if self._deferred:
+            return
         bucket = self.buckets[self._bucket_of[idx]]
         bucket.num_pending -= 1
         # NOTE: hand buckets out strictly in order, so all ranks issue collectives alike.
@@ -281,11 +310,15 @@ class GradBucketer:
             self._queue_end()
 
     def _queue_end(self) -> None:
+        self._queue(self._end)
+
+    @staticmethod
+    def _queue(callback: Callable[[], None]) -> None:
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+            torch.autograd.Variable._execution_engine.queue_callback(callback)
         except RuntimeError:
-            # Not inside a backward pass (marked by hand): finish now.
-            self._end()
+            # Not inside a backward pass (marked by hand): run it now.
+            callback()
 
     def _end(self) -> None:
         if self._recording:

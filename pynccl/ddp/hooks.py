@@ -40,6 +40,12 @@ class GradBucket:
         """Flat gradients of this bucket, summed over this rank's backward, not yet averaged."""
         return self._buffer
 
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace the flat buffer (torch's: e.g. fp16_compress_wrapper puts a cast copy here and
+        returns it, reduced, as the result); buffer() and gradients() then read the new one. DDP hands
+        each call a bucket over its own buffer again."""
+        self._buffer = buffer
+
     def is_last(self) -> bool:
         return self._is_last
 

@@ -93,6 +93,17 @@ def _as_active_ddp_module(ddp: "DistributedDataParallel"):
         torch_ddp._active_ddp_module = previous
 
 
+def _refuse_sparse_gradients(module: nn.Module, named_params) -> None:
+    """Sparse gradients (nn.Embedding / nn.EmbeddingBag with sparse=True, as torch finds them) are
+    not supported: the buckets are flat dense buffers. Said here, not deep inside backward."""
+    reduced = {id(p): n for n, p in named_params}
+    for m in module.modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and id(m.weight) in reduced:
+            raise ValueError(f"DistributedDataParallel: parameter '{reduced[id(m.weight)]}' gets sparse gradients "
+                             f"({type(m).__name__}(sparse=True)), which pynccl's DDP does not support; use "
+                             "sparse=False, or torch.nn.parallel.DistributedDataParallel for this model")
+
+
 class DistributedDataParallel(nn.Module):
     """Data parallelism over a pynccl group; torch.nn.parallel.DistributedDataParallel's arguments.
 
@@ -123,7 +134,11 @@ class DistributedDataParallel(nn.Module):
             bucket_cap_mb = 25
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-        named_params = self._trainable_params(module)
+        # torch's list of what DDP leaves alone (_set_params_and_buffers_to_ignore_for_model): names
+        # as named_parameters / named_buffers give them.
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named_params = self._trainable_params(module, ignored)
+        _refuse_sparse_gradients(module, named_params)
         devices = {p.device for p in module.parameters()}
         if len(devices) != 1:
             raise ValueError(f"DistributedDataParallel: the module's parameters must all be on one device, "
@@ -156,14 +171,18 @@ class DistributedDataParallel(nn.Module):
         self.require_forward_param_sync = True
 
         self._check_same_model_on_all_ranks(named_params)
-        self._module_buffers = list(module.buffers())
-        # NOTE: all of the module's state (parameters and buffers) comes from rank 0, as in torch.
-        broadcast_from_rank0(group.backend, [p.detach() for p in module.parameters()] + self._module_buffers)
+        self._module_buffers = [b for n, b in module.named_buffers() if n not in ignored]
+        # NOTE: the module's state (parameters and buffers) comes from rank 0, as in torch, but for what
+        # it ignores: each rank keeps its own.
+        synced = [p.detach() for n, p in module.named_parameters() if n not in ignored]
+        broadcast_from_rank0(group.backend, synced + self._module_buffers)
         self._buffer_broadcast = None
         self._join = None                    # the active join() context (join.py), if any
         self.reducer = Reducer(named_params, group, self.bucket_bytes_cap, find_unused_parameters,
                                gradient_as_bucket_view, static_graph, comm_paths.resolve(comm_path))
         heads, explicit = defaults.tied_embedding_rows(tied_embedding_rows, module)
+        reduced = {id(p) for _, p in named_params}
+        heads = [(h, es) for h, es in heads if id(h.weight) in reduced]     # an ignored tied weight: left alone
         if heads or explicit:               # explicit and none found: TiedEmbeddingRows raises
             self.reducer.tied_rows = TiedEmbeddingRows(self, heads, explicit)
 
@@ -178,12 +197,22 @@ class DistributedDataParallel(nn.Module):
         rows.remove()
 
     @staticmethod
-    def _trainable_params(module: nn.Module) -> List[tuple]:
-        # named_parameters() yields a shared (tied) parameter once, under its first name.
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        if not named:
+    def _trainable_params(module: nn.Module, ignored=frozenset()) -> List[tuple]:
+        """(name, parameter) of what DDP reduces, as torch's _build_params_for_reducer picks them: each
+        module's own parameters that require grad, under "<module name>.<name>", not in `ignored`,
+        a shared (tied) one once, under its first such name."""
+        if not any(p.requires_grad for n, p in module.named_parameters() if n not in ignored):
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
+        named, seen = [], set()
+        for module_name, m in module.named_modules():
+            for name, p in m.named_parameters(recurse=False):
+                # NOTE: torch's very names: the root module's own parameters are ".name" there, so
+                # listing "name" does not take them out of the reduction (only out of the broadcast).
+                full = f"{module_name}.{name}"
+                if p.requires_grad and full not in ignored and id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((full[1:] if not module_name else full, p))
         return named
 
     def _check_same_model_on_all_ranks(self, named_params):

@@ -45,6 +45,7 @@ class Reducer:
                                      first_bucket_cap_bytes=min(DEFAULT_FIRST_BUCKET_BYTES, bucket_cap_bytes),
                                      param_names={p: n for n, p in named_params})
         self.bucketer.register_hooks()
+        self.bucketer.on_deferred_end = self._learn_static_unused
         self.params = self.bucketer.params
         self.device = self.params[0].device
         self.hook, self.hook_state = comm_hooks.allreduce_hook, group
@@ -192,9 +193,13 @@ class Reducer:
             self._rebuild_buckets()
 
     def prepare_for_backward(self, output) -> None:
+        # NOTE: static_graph never walks the graph (a parameter may be used outside forward, or by a
+        # later forward before the backward): as torch, the first backward says which parameters get
+        # a gradient, and reduces every bucket at its end (_learn_static_unused).
+        defer = self.static_graph and self.static_unused is None
         if self.static_unused is not None:
             unused = [self.params[i] for i in sorted(self.static_unused[0])]
-        elif self.find_unused or self.static_graph:
+        elif self.find_unused and not self.static_graph:
             reached = params_reached(output)
             unused = [p for p in self.params if id(p) not in reached]
         else:
@@ -204,7 +209,17 @@ class Reducer:
             unused_ids = {id(p) for p in unused}
             self._locally_unused = {i for i, p in enumerate(self.params) if id(p) in unused_ids}
         self.diverted = {}
-        self.bucketer.prepare_for_backward(unused)
+        self.bucketer.prepare_for_backward(unused, defer=defer)
+
+    def _learn_static_unused(self, ready: List[bool]) -> None:
+        """static_graph, the end of the first backward: what went unused here (locally: no gradient in
+        this backward) and everywhere (no rank's gradient since the last reduction: one all-reduce of
+        the used-map), kept for every later iteration."""
+        used = torch.tensor(self.bucketer.used, dtype=torch.int32, device=self.device)
+        self.bucketer.reset_used()
+        self.backend.all_reduce(used, ReduceOp.SUM)
+        self._locally_unused = {i for i, r in enumerate(ready) if not r}
+        self.static_unused = (self._locally_unused, {i for i, n in enumerate(used.tolist()) if n == 0})
 
     def mark_ready_with(self, idx: int, source: torch.Tensor) -> None:
         """Parameter `idx` is ready now, with `source` (not its .grad) as what its bucket reduces;
@@ -262,7 +277,9 @@ class Reducer:
             self.backend.pack(sources, wire, self.scale)
         if self.builtin_hook:                    # already scaled by 1/N and cast: only the SUM is left
             return comm_hooks.sum_all_reduce(self.hook_state, wire)
-        return self.hook(self.hook_state, b.extra["grad_bucket"])
+        bucket = b.extra["grad_bucket"]
+        bucket.set_buffer(wire)                  # a hook may have swapped it last time (GradBucket.set_buffer)
+        return self.hook(self.hook_state, bucket)
 
     def _unpacks_early(self, b: Bucket) -> bool:
         """Whether the fused call itself unpacks bucket b into its parameters' .grad, on the
