@@ -21,6 +21,7 @@ _LAZY = {
     "FullyShardedDataParallel": "pynccl.zero",
     "MixedPrecision": "pynccl.zero",
     "clip_grad_norm_": "pynccl.zero",
+    "ShardedGradScaler": "pynccl.zero",
     "ParallelMesh": "pynccl.mesh",
 }
 

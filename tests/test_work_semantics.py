@@ -108,6 +108,24 @@ def test_coalesced_is_completed_means_copied_back():
     assert run_multiprocess(_coalesced, 2, timeout=60) == [True, True]
 
 
+UNREADABLE = object()
+
+
+def _exception(work):
+    """work.exception(), or UNREADABLE where torch's binding cannot return it (torch 2.11's gloo Work:
+    pybind11 "Unregistered type: std::exception_ptr"): that side's check is then skipped."""
+    try:
+        return work.exception()
+    except TypeError as e:
+        if "exception_ptr" not in str(e):
+            raise
+        return UNREADABLE
+
+
+def _no_error(work) -> bool:
+    return work.is_success() and _exception(work) in (None, UNREADABLE)
+
+
 def _result_as_torch(rank, ws):
     store = pynccl.get_store()
     for lib in (tdist, pynccl):
@@ -120,10 +138,10 @@ def _result_as_torch(rank, ws):
             work = lib.all_reduce(t, async_op=True)
             with pytest.raises(RuntimeError, match="wait()"):
                 work.result()
-            assert work.is_success() and work.exception() is None   # torch's: no error yet
+            assert _no_error(work)   # torch's: no error yet
             store.set(f"asked/{lib.__name__}", "1")
         work.wait()
-        assert work.is_completed() and work.is_success() and work.exception() is None
+        assert work.is_completed() and _no_error(work)
         result = work.result()
         assert isinstance(result, list) and len(result) == 1 and result[0] is t
         assert torch.equal(t, torch.full((2,), 3.0))
@@ -134,7 +152,7 @@ def _result_as_torch(rank, ws):
         assert [x.tolist() for x in _flatten(work.result())] == [[3.0, 3.0], [3.0, 3.0]]
         work = lib.barrier(async_op=True)
         work.wait()
-        assert work.result() == [] and work.is_success() and work.exception() is None
+        assert work.result() == [] and _no_error(work)
     pynccl.barrier()
     return True
 
@@ -158,8 +176,11 @@ def _failed_op(rank, ws):
             work = lib.all_reduce(torch.ones(2), group=g, async_op=True)
             _poll(work)
             assert not work.is_success(), lib.__name__
-            assert work.exception() is not None, lib.__name__
-            assert "timed out" in str(work.exception()).lower() or "timeout" in str(work.exception()).lower()
+            error = _exception(work)
+            if error is UNREADABLE:
+                continue
+            assert error is not None, lib.__name__
+            assert "timed out" in str(error).lower() or "timeout" in str(error).lower()
         assert isinstance(work.exception(), pynccl.CommTimeoutError)
         with pytest.raises(pynccl.CommTimeoutError):
             work.result()

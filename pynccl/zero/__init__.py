@@ -10,6 +10,7 @@ Files, one responsibility each:
   stage3.py          stage 3 (per-unit gather, prefetch, saved-tensor hooks)
   mixed_precision.py MixedPrecision policy
   clip.py            global-norm gradient clipping that knows which tensors are shards
+  grad_scaler.py     ShardedGradScaler: fp16 loss scaling whose inf check covers every rank's shard
   hybrid.py          hybrid sharding's groups: shard within a node, replicate across nodes
   state_dict.py      full (consolidated) model/optimizer state dicts, load at any size/stage
   row_exchange.py    rows between ZeRO's flat layout and torch.chunk's Shard(0) chunks (all_to_all)
@@ -24,6 +25,7 @@ Files, one responsibility each:
 from .._lazy import lazy_exports
 from .clip import clip_grad_norm_
 from .fsdp import FullyShardedDataParallel
+from .grad_scaler import ShardedGradScaler
 from .hf_save import save_pretrained
 from .layout import FlatLayout
 from .mixed_precision import MixedPrecision
@@ -34,6 +36,6 @@ _DCP_NAMES = ("get_model_state_dict", "get_optimizer_state_dict", "get_state_dic
 
 __getattr__, __dir__ = lazy_exports(__name__, "dcp", _DCP_NAMES, globals())
 
-__all__ = ["FullyShardedDataParallel", "MixedPrecision", "FlatLayout", "clip_grad_norm_", "get_model_state_dict",
-           "get_optimizer_state_dict", "get_state_dict", "set_model_state_dict", "set_optimizer_state_dict",
-           "set_state_dict", "save_pretrained"]
+__all__ = ["FullyShardedDataParallel", "MixedPrecision", "FlatLayout", "clip_grad_norm_", "ShardedGradScaler",
+           "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict", "set_model_state_dict",
+           "set_optimizer_state_dict", "set_state_dict", "save_pretrained"]

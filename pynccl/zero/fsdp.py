@@ -150,14 +150,33 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         args, kwargs = cast_inputs(self.policy, args, kwargs)
         rt = self._runtime
+        self._pre_forward()
         if self.stage != 3:
-            rt.pre_forward(self._sync_grads)
             return cast_outputs(self.policy, self.module(*args, **kwargs))
-        rt.pre_root_forward(self._sync_grads)
         with torch.autograd.graph.saved_tensors_hooks(rt.pack, rt.unpack):
             out = self.module(*args, **kwargs)
         rt.post_root_forward(out)
         return cast_outputs(self.policy, out)
+
+    @torch._disable_dynamo                             # never traced by torch.compile (collectives)
+    def _pre_forward(self) -> None:
+        if torch.is_grad_enabled():
+            self._check_requires_grad()
+        if self.stage != 3:
+            self._runtime.pre_forward(self._sync_grads)
+        else:
+            self._runtime.pre_root_forward(self._sync_grads)
+
+    def _check_requires_grad(self) -> None:
+        """Which parameters train is fixed at wrapping (shards, buckets and units are built from it, as
+        torch FSDP's with use_orig_params=False): a later requires_grad_ would be silently ignored."""
+        for info in self._param_infos:
+            if info.param.requires_grad != info.requires_grad:
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: parameter '{info.name}' had requires_grad={info.requires_grad} "
+                    f"when it was wrapped and now has requires_grad={info.param.requires_grad}; changing it after "
+                    f"wrapping is not supported. Set requires_grad before wrapping (and wrap again to change it), "
+                    f"or, to stop training a parameter, leave it out of the optimizer's param groups.")
 
     @contextlib.contextmanager
     def no_sync(self):

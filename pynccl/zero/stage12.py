@@ -9,11 +9,12 @@ bucket after backward. At most MAX_IN_FLIGHT reduce buffers exist at a time.
 
 Updated shards are all-gathered lazily, at the start of the next forward, once something may
 have changed them: a backward that reduced gradients (a step follows), a torch.optim step of
-any optimizer that holds these parameters (a global step post-hook), or a checkpoint load.
-Nothing is inferred from tensor version counters: fused optimizers (AdamW(fused=True), the
-CUDA default in nanoGPT and HF) update parameters without bumping them, and a missed gather
-silently freezes the model. Evaluation forwards and no_sync accumulation between two steps
-still cost no gather.
+any optimizer that holds these parameters (a global step post-hook), a checkpoint load, or a
+write into a parameter outside a step (p.copy_ of EMA weights and back, p.data = ...: its
+version counter or storage changed). Version counters alone would not do: fused optimizers
+(AdamW(fused=True), the CUDA default in nanoGPT and HF) update parameters without bumping
+them, and a missed gather silently freezes the model. Evaluation forwards and no_sync
+accumulation between two steps still cost no gather.
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ class ReplicatedParamsRuntime:
         self.bucketer.register_hooks()
         self.in_flight = ReduceQueue(MAX_IN_FLIGHT)
         self._param_ids = {id(p) for u in self.units for p in u.params}
+        self._seen = [self._signature(u) for u in self.units]   # see _note_writes
         handle = register_optimizer_step_post_hook(functools.partial(_after_optimizer_step, weakref.ref(self)))
         weakref.finalize(self, handle.remove)
 
@@ -111,13 +113,27 @@ class ReplicatedParamsRuntime:
         return any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
 
     # ------------------------------------------------------------------ forward
+    @staticmethod
+    def _signature(unit: ShardedUnit) -> list:
+        return [(p._version, p.data_ptr()) for p in unit.params]
+
+    def _note_writes(self) -> None:
+        """A unit whose parameters were written since its last gather (p.copy_, p.mul_, p.data = ...:
+        the nn.Parameter's own version counter or storage changed) is stale: this rank's rows of its
+        full buffer, or all of them (mixed precision), no longer match every rank's shard."""
+        for u, seen in zip(self.units, self._seen):
+            if not u.stale and self._signature(u) != seen:
+                u.stale = True
+
     @torch._disable_dynamo                             # never traced by torch.compile (collectives)
     def pre_forward(self, sync_grads: bool) -> None:
+        self._note_writes()
         stale = [u for u in self.units if not u.is_current]
         for u in stale:                                # start every gather, then wait: they overlap
             u.gather()
         for u in stale:
             u.wait_gather()
+            self._seen[u.index] = self._signature(u)   # after gather's check_params: views again
         # NOTE: a forward without grad (evaluation) leaves the hooks as they are: the backward
         # of an earlier forward may still be to come, as in torch DDP.
         if torch.is_grad_enabled():
@@ -150,6 +166,10 @@ class ReplicatedParamsRuntime:
                 self._launch(i)
         self.drain()
         self.mark_stale()                              # gradients reduced: a step is coming
+        # NOTE: armed again for a further backward through the same graph (loss1.backward(retain_graph=True);
+        # loss2.backward()): it reduces too, adding to the shards' gradients, as torch accumulates .grad.
+        # Disarmed, its gradients would stay on the full leaves and leak into the next step's reduce.
+        self.bucketer.prepare_for_backward()
 
     def _launch(self, unit_idx: int) -> None:
         leaves = self.unit_leaves[unit_idx]

@@ -120,6 +120,12 @@ class ShardedParamsRuntime(GatherWalk):
         self.in_flight = ReduceQueue(0)               # see _reduce_in_order: drained at the end of backward
         self._ready: Dict[int, torch.Tensor] = {}        # unit index -> full gradient waiting for its turn
         self._cursor = len(self.units) - 1               # next unit index to reduce (descending)
+        # Post-accumulate hooks a unit may fire in one backward (see _hooks_due): its forwards since the
+        # last backward with grad (one hook at most, in the outer graph task) and without (each may be a
+        # reentrant checkpoint, whose recomputation runs its own graph task and fires the hook again).
+        self._grad_uses: set = set()
+        self._no_grad_uses: Dict[int, int] = {}
+        self._fired: Dict[int, int] = {}                 # hooks fired this backward, per unit
         self._pacer = BackwardPacer(self.units[0].full.device if self.units else torch.device("cpu"),
                                     lead_from_env(), group.timeout_s)  # backward_pacing.py: bounds reduce inputs alive
         connect_reduce_paths(self.units)                 # on every rank alike, whatever its lead (see there)
@@ -194,6 +200,11 @@ class ShardedParamsRuntime(GatherWalk):
             self._queue_end()
             self._backward_reach(pos, unit)
         else:
+            if self._root_grad:
+                if torch.is_grad_enabled():
+                    self._grad_uses.add(unit.index)
+                else:
+                    self._no_grad_uses[unit.index] = self._no_grad_uses.get(unit.index, 0) + 1
             self._leave_passed(unit, pos, backward=False)
             self._forward_gather_to(pos, free_passed=True)
         self._ensure(unit)                             # a unit run again (or out of order) gathers again
@@ -245,6 +256,7 @@ class ShardedParamsRuntime(GatherWalk):
         if not self._end_queued:
             self._end_queued = True
             self._ready.clear()
+            self._fired.clear()
             self._cursor = len(self.units) - 1
             self._bwd = len(self._blocks) - 1
             self._bwd_touched.clear()
@@ -269,19 +281,38 @@ class ShardedParamsRuntime(GatherWalk):
     def _post_backward(self, unit: ShardedUnit, full: torch.Tensor) -> None:
         self._queue_end()
         if self.sync_grads:
-            self._ready[unit.index], unit.full.grad = unit.full.grad, None
+            grad, unit.full.grad = unit.full.grad, None
+            if unit.index > self._cursor:
+                names = ", ".join(s.name for s in unit.layout.slots[:3])
+                raise RuntimeError(
+                    f"FullyShardedDataParallel(stage=3): unit {unit.index} ({names}, ...) got a gradient again after "
+                    f"its gradient was reduced in this backward: its module ran more than once, at least once "
+                    f"inside a reentrant activation checkpoint that ZeRO-3 could not count (one called inside a "
+                    f"module's own forward). Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or "
+                    f"checkpoint the module's __call__ (it then gets every use's gradient).")
+            held = self._ready.get(unit.index)           # reentrant checkpointing: one hook per use
+            self._ready[unit.index] = grad if held is None else held.add_(grad)
+            self._fired[unit.index] = self._fired.get(unit.index, 0) + 1
             self._reduce_in_order(final=False)
         self._free(unit)
+
+    def _hooks_due(self, unit: ShardedUnit) -> int:
+        """How many post-accumulate hooks `unit` may fire in this backward: at most one for its uses
+        with grad (the root's included), one per use without. An overestimate only delays its reduce
+        to the end of backward; the order of reduces stays the same."""
+        if unit is self.root:
+            return 1
+        return int(unit.index in self._grad_uses) + self._no_grad_uses.get(unit.index, 0)
 
     def _reduce_in_order(self, final: bool) -> None:
         """Start the reduce-scatters that are next in the fixed order; with final=True, all that
         remain (a unit whose hook never fired reduces what it accumulated, or zeros)."""
         while self._cursor >= 0:
             unit = self.units[self._cursor]
+            if not final and (unit.index not in self._ready or self._fired[unit.index] < self._hooks_due(unit)):
+                return
             grad = self._ready.pop(unit.index, None)
             if grad is None:
-                if not final:
-                    return
                 grad, unit.full.grad = unit.full.grad, None
                 if grad is None:
                     grad = torch.zeros(unit.layout.padded_numel, dtype=unit.reduce_dtype, device=unit.full.device)
@@ -297,6 +328,8 @@ class ShardedParamsRuntime(GatherWalk):
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
+        self._grad_uses.clear()
+        self._no_grad_uses.clear()
         self._backward_reach(-1)                       # blocks skipped below the last one this backward ran
         if self.sync_grads:
             self._reduce_in_order(final=True)

@@ -163,6 +163,18 @@ def _whole(v):
     return v
 
 
+def _state_keys(module) -> List[str]:
+    """The keys of module.state_dict(), in its order: each module's parameters, then its persistent
+    buffers, modules in named_modules order (shared ones under every name)."""
+    keys = []
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        keys += [prefix + n for n, p in mod._parameters.items() if p is not None]
+        keys += [prefix + n for n, b in mod._buffers.items()
+                 if b is not None and n not in mod._non_persistent_buffers_set]
+    return list(dict.fromkeys(keys))
+
+
 class StateDictKeyError(KeyError, RuntimeError):
     """Missing or unexpected keys under strict loading: a RuntimeError as torch's load_state_dict raises."""
 
@@ -174,8 +186,8 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True):
     infos = model._param_infos
     buffers = dict(named_buffers_all(model.module))
     expected = {n for i in infos for n in i.names} | set(buffers)
-    missing = sorted(expected - set(state_dict))
-    unexpected = sorted(set(state_dict) - expected)
+    missing = [k for k in _state_keys(model.module) if k in expected and k not in state_dict]   # torch's order
+    unexpected = [k for k in state_dict if k not in expected]
     if strict and (missing or unexpected):
         raise StateDictKeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
 
@@ -194,17 +206,20 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True):
     rank = group.group_rank
     with torch.no_grad():
         for unit in model.units:                       # NOTE: collective (DTensors), same order everywhere
-            found = [lookup(by_index[s.param_index]) for s in unit.layout.slots]
-            if any(t is None for t in found):
-                continue                               # non-strict and missing: keep current values
+            # Non-strict: the slots found load, the missing ones keep their current values (as torch).
+            found = {i: t for i, t in enumerate(lookup(by_index[s.param_index]) for s in unit.layout.slots)
+                     if t is not None}
+            if not found:
+                continue
             unit.check_params()
-            if not any(is_dtensor(t) for t in found):
-                unit.layout.shard_from_params(rank, found, unit.shard)
+            views = unit.layout.local_views(rank, unit.shard)
+            if not any(is_dtensor(t) for t in found.values()):
+                for i, t in found.items():
+                    views[i].copy_(unit.layout.local_part(rank, i, t))
                 continue
             from .sharded_state import chunk_of, chunks_to_unit
-            chunks = {i: chunk_of(t, s.shape, group, f"'{s.name}'")
-                      for i, (t, s) in enumerate(zip(found, unit.layout.slots))}
-            views = unit.layout.local_views(rank, unit.shard)
+            chunks = {i: chunk_of(t, unit.layout.slots[i].shape, group, f"'{unit.layout.slots[i].name}'")
+                      for i, t in found.items()}
             for i, rows in chunks_to_unit(unit, chunks, unit.master_dtype).items():
                 views[i].copy_(rows)
         for info in infos:
