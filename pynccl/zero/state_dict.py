@@ -163,18 +163,6 @@ def _whole(v):
     return v
 
 
-def _state_keys(module) -> List[str]:
-    """The keys of module.state_dict(), in its order: each module's parameters, then its persistent
-    buffers, modules in named_modules order (shared ones under every name)."""
-    keys = []
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        prefix = f"{mod_name}." if mod_name else ""
-        keys += [prefix + n for n, p in mod._parameters.items() if p is not None]
-        keys += [prefix + n for n, b in mod._buffers.items()
-                 if b is not None and n not in mod._non_persistent_buffers_set]
-    return list(dict.fromkeys(keys))
-
-
 class StateDictKeyError(KeyError, RuntimeError):
     """Missing or unexpected keys under strict loading: a RuntimeError as torch's load_state_dict raises."""
 
@@ -186,7 +174,8 @@ def load_model_state_dict(model, state_dict: dict, strict: bool = True):
     infos = model._param_infos
     buffers = dict(named_buffers_all(model.module))
     expected = {n for i in infos for n in i.names} | set(buffers)
-    missing = [k for k in _state_keys(model.module) if k in expected and k not in state_dict]   # torch's order
+    order = model.module.state_dict(keep_vars=True)    # its keys in torch's order (references only)
+    missing = [k for k in order if k in expected and k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
     if strict and (missing or unexpected):
         raise StateDictKeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
