@@ -347,12 +347,14 @@ PYBIND11_MODULE(_C, m) {
       .def("batch_isend_irecv", &Communicator::batch_isend_irecv, py::arg("ops"),
            "ops: list of (is_send, tensor, peer); one NCCL group on the communicator's stream. Returns a Work.")
       // --- sequence-parallel TP's collective matmuls (tp_overlap.cpp; pynccl/tensor_parallel/async_tp.py)
-      .def("tp_gather_linears", &tp_gather_linears, py::arg("x"), py::arg("weights"), py::arg("seq_dim"))
+      .def("tp_gather_linears", &tp_gather_linears, py::arg("x"), py::arg("weights"), py::arg("seq_dim"),
+           py::arg("scratch") = py::none())
       .def("tp_gather_linears_backward", &tp_gather_linears_backward, py::arg("x_full"), py::arg("weights"),
-           py::arg("grad_ys"), py::arg("grad_x_full"), py::arg("seq_dim"))
-      .def("tp_linear_reduce_scatter", &tp_linear_reduce_scatter, py::arg("h"), py::arg("weight"), py::arg("seq_dim"))
+           py::arg("grad_ys"), py::arg("grad_x_full"), py::arg("seq_dim"), py::arg("scratch") = py::none())
+      .def("tp_linear_reduce_scatter", &tp_linear_reduce_scatter, py::arg("h"), py::arg("weight"), py::arg("seq_dim"),
+           py::arg("scratch") = py::none())
       .def("tp_linear_reduce_scatter_backward", &tp_linear_reduce_scatter_backward, py::arg("grad_out"), py::arg("h"),
-           py::arg("weight"), py::arg("seq_dim"))
+           py::arg("weight"), py::arg("seq_dim"), py::arg("scratch") = py::none())
       // --- TP's all-reduces overlapped with GEMMs (tp_overlap.cpp; pynccl/tensor_parallel/async_tp_allreduce.py)
       .def("tp_linears_all_reduce_backward", &tp_linears_all_reduce_backward, py::arg("x"), py::arg("weights"),
            py::arg("grad_ys"), py::arg("grad_x"), py::arg("scratch"), py::arg("gather") = false)

@@ -111,9 +111,11 @@ class NaturalLayout {
   // NOTE: the result is allocated here, before the all-gather orders the comm stream after the
   // caller's: a block the caller's stream freed later could otherwise become it while a caller
   // kernel still uses it, and the comm stream's copy would write over that kernel's data.
-  NaturalLayout(Communicator& comm, const at::Tensor& local, int64_t seq_dim, int64_t n)
+  // own_copy: copy even where the layouts agree (the gathered chunks lie in a window the next op reuses).
+  NaturalLayout(Communicator& comm, const at::Tensor& local, int64_t seq_dim, int64_t n, bool own_copy = false)
       : comm_(comm), local_(local), seq_dim_(seq_dim), n_(n) {
-    if (rank_major_is_natural(local.sizes(), seq_dim) || comm_stream_of(comm) == nullptr || local.numel() == 0) {
+    if ((!own_copy && rank_major_is_natural(local.sizes(), seq_dim)) || comm_stream_of(comm) == nullptr ||
+        local.numel() == 0) {
       return;
     }
     for (int64_t d = 0; d < seq_dim; ++d) outer_ *= local.size(d);
@@ -132,6 +134,11 @@ class NaturalLayout {
     const cudaStream_t comm_stream = comm_stream_of(comm_);
     char* const dst = static_cast<char*>(whole_->data_ptr());
     const char* const src = static_cast<const char*>(gathered.data_ptr());
+    if (outer_ == 1) {  // the layouts agree: one copy (on the copy engines, where the 2-D ones take a kernel)
+      C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, n_ * row_, cudaMemcpyDeviceToDevice, comm_stream));
+      queued_ = true;
+      return;
+    }
     for (int64_t j = 0; j < n_; ++j) {
       // cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
       //                               size_t height, cudaMemcpyKind kind, cudaStream_t stream);
@@ -253,6 +260,42 @@ class Partials {
   at::Tensor win_;
 };
 
+// The sequence-parallel ops' exchanges through a symmetric window (scratch given): `slots` pieces
+// shaped as `like`, one after another from the window's start. In a window an all-gather and an
+// all-to-all run on the copy engines (CTAPolicy ZERO): the GEMMs beside them keep every SM, where
+// NCCL's kernels on ordinary memory take some (async_tp.py says when the window is used).
+// NOTE: the window may be reused by the next op once this op's last read of it is queued on the
+// caller's stream (or the comm stream, which the caller's then waits for): the next op writes its
+// own slots in stream order after that, and a peer writes into this rank's window only once this
+// rank's comm stream, which waits for the caller's, has joined the collective (NCCL's copy-engine
+// collectives synchronize the ranks before they copy), as for Partials above.
+at::Tensor window_slots(const at::Tensor& scratch, int64_t slots, const at::Tensor& like, const char* fn) {
+  const int64_t nbytes = slots * like.numel() * static_cast<int64_t>(like.element_size());
+  PYNCCL_CHECK_VALUE(scratch.scalar_type() == at::kByte && scratch.dim() == 1 && scratch.numel() >= nbytes, fn,
+                     ": scratch must be a 1-D uint8 window of at least ", nbytes, " bytes (", slots,
+                     " x the chunk's), got ", scratch.dim(), "-D with ", scratch.numel(), " elements of ",
+                     std::string(c10::toString(scratch.scalar_type())));
+  std::vector<int64_t> shape{slots};
+  shape.insert(shape.end(), like.sizes().begin(), like.sizes().end());
+  return scratch.narrow(0, 0, nbytes).view(like.scalar_type()).view(shape);
+}
+
+// (gathered, its Work): this rank's chunk all-gathered rank-major ((n * rows, ...), chunk j at rows
+// [j * rows, ...)), into `scratch`'s slots where given (the chunk copied into this rank's slot first),
+// else into a new tensor.
+std::pair<at::Tensor, std::shared_ptr<Work>> start_gather(Communicator& comm, const at::Tensor& local,
+                                                          const std::optional<at::Tensor>& scratch, const char* fn) {
+  const int64_t n = comm.world_size();
+  if (!scratch.has_value()) {
+    at::Tensor gathered = gather_buffer(local, n);
+    return {gathered, comm.all_gather_into_tensor(gathered, local, /*async_op=*/true)};
+  }
+  const at::Tensor slots = window_slots(*scratch, n, local, fn);
+  const at::Tensor mine = slots.select(0, comm.rank());
+  mine.copy_(local);
+  return {slots.flatten(0, 1), comm.all_gather_into_tensor(slots, mine, /*async_op=*/true)};
+}
+
 using Exchange = std::tuple<std::shared_ptr<Work>, at::Tensor, at::Tensor>;  // (work, sent, received)
 
 // Sends `part` to rank `to` and receives the same shape from `frm`, in one NCCL group.
@@ -262,15 +305,59 @@ Exchange exchange(Communicator& comm, const at::Tensor& part, int64_t to, int64_
   return {work, part, recv};
 }
 
+// Every peer's part of this rank's chunk of a sum (the reduce-scatter of the ops below). partial(j, out)
+// writes this rank's part of rank j's chunk into out (shaped `like`); the peers' parts are made first
+// and travel while the caller computes its own chunk (and its weight GEMMs), then add_into(own) adds
+// what arrived in the ring's order ((r - 1) % n, (r - 2) % n, ...), as the Python reference does.
+// Without scratch, one send/recv pair per peer (NCCL's kernels); with it, the parts are computed into
+// the window's first n slots (slot j for rank j) and one all-to-all puts them in the next n.
+class PeerParts {
+ public:
+  template <typename Partial>
+  PeerParts(Communicator& comm, const at::Tensor& like, const std::optional<at::Tensor>& scratch, const char* fn,
+            Partial&& partial)
+      : n_(comm.world_size()), r_(comm.rank()) {
+    if (!scratch.has_value()) {
+      for (int64_t j = 1; j < n_; ++j) {
+        at::Tensor part = at::empty(like.sizes(), like.options());
+        partial((r_ + j) % n_, part);
+        auto [work, sent, recv] = exchange(comm, part, (r_ + j) % n_, (r_ - j + n_) % n_);
+        works_.push_back(work);
+        received_.push_back(recv);
+        sent_.push_back(sent);
+      }
+      return;
+    }
+    const at::Tensor slots = window_slots(*scratch, 2 * n_, like, fn);
+    const at::Tensor send = slots.narrow(0, 0, n_), recv = slots.narrow(0, n_, n_);
+    for (int64_t j = 1; j < n_; ++j) partial((r_ + j) % n_, send.select(0, (r_ + j) % n_));
+    // NOTE: slot r of send is not written: the all-to-all copies it to slot r of recv, which nobody reads.
+    works_.push_back(comm.all_to_all_single(recv, send, {}, {}, /*async_op=*/true));
+    for (int64_t j = 1; j < n_; ++j) received_.push_back(recv.select(0, (r_ - j + n_) % n_));
+  }
+
+  at::Tensor add_into(at::Tensor own) {
+    for (const auto& work : works_) work->wait(std::nullopt);
+    for (const auto& part : received_) own.add_(part);
+    return own;
+  }
+
+ private:
+  const int64_t n_, r_;
+  std::vector<std::shared_ptr<Work>> works_;
+  std::vector<at::Tensor> received_, sent_;  // sent_: kept until the sends are done (their Work keeps them too)
+};
+
 }  // namespace
 
 std::vector<at::Tensor> tp_gather_linears(Communicator& comm, const at::Tensor& x,
-                                          const std::vector<at::Tensor>& weights, int64_t seq_dim) {
+                                          const std::vector<at::Tensor>& weights, int64_t seq_dim,
+                                          const std::optional<at::Tensor>& scratch) {
   const int64_t n = comm.world_size(), r = comm.rank();
   const at::Tensor xs = x.contiguous();  // (.., s, .., h): this rank's chunk
-  at::Tensor gathered = gather_buffer(xs, n);
-  NaturalLayout whole(comm, xs, seq_dim, n);
-  auto work = comm.all_gather_into_tensor(gathered, xs, /*async_op=*/true);
+  // NOTE: x_full is saved for backward: out of a window it is copied (the next op reuses the window).
+  NaturalLayout whole(comm, xs, seq_dim, n, /*own_copy=*/scratch.has_value());
+  auto [gathered, work] = start_gather(comm, xs, scratch, "tp_gather_linears");
   whole.queue(gathered);  // beside the GEMMs below
   std::vector<at::Tensor> out{at::Tensor()};
   for (const auto& w : weights) {
@@ -284,69 +371,60 @@ std::vector<at::Tensor> tp_gather_linears(Communicator& comm, const at::Tensor& 
     for (size_t i = 0; i < weights.size(); ++i) mm_into(seq_chunk(out[i + 1], seq_dim, n, j), pieces[j], weights[i].t(), false);
   }
   out[0] = whole.take(gathered);
+  if (scratch.has_value() && out[0].data_ptr() == gathered.data_ptr()) out[0] = out[0].clone();  // not queued
   return out;
 }
 
 std::vector<at::Tensor> tp_gather_linears_backward(Communicator& comm, const at::Tensor& x_full,
                                                    const std::vector<at::Tensor>& weights,
                                                    const std::vector<at::Tensor>& grad_ys,
-                                                   const std::optional<at::Tensor>& grad_x_full, int64_t seq_dim) {
+                                                   const std::optional<at::Tensor>& grad_x_full, int64_t seq_dim,
+                                                   const std::optional<at::Tensor>& scratch) {
   const int64_t n = comm.world_size(), r = comm.rank();
   // NOTE: each output gradient made contiguous once, for its chunk GEMMs and its weight GEMM alike
   // (q's comes back from attention transposed: a strided chunk per peer and a reshape copied it 3 times).
   std::vector<at::Tensor> gys;
   for (const auto& gy : grad_ys) gys.push_back(gy.contiguous());
-  auto partial_grad_x = [&](int64_t j) {  // chunk j of sum_i grad_y_i @ w_i (+ grad_x_full)
-    at::Tensor out = at::empty(seq_chunk(x_full, seq_dim, n, j).sizes(), x_full.options());
+  const at::Tensor like = at::empty(seq_chunk(x_full, seq_dim, n, 0).sizes(), x_full.options());
+  auto partial_grad_x = [&](int64_t j, at::Tensor out) {  // chunk j of sum_i grad_y_i @ w_i (+ grad_x_full)
     if (grad_x_full.has_value()) out.copy_(seq_chunk(*grad_x_full, seq_dim, n, j));
     for (size_t i = 0; i < weights.size(); ++i) {
       mm_into(out, seq_chunk(gys[i], seq_dim, n, j), weights[i], grad_x_full.has_value() || i > 0);
     }
-    return out;
   };
-  // NOTE: peers' chunks first (ring order), so the weight GEMMs and our own chunk run while they travel.
-  std::vector<Exchange> pending;
-  for (int64_t j = 1; j < n; ++j) pending.push_back(exchange(comm, partial_grad_x((r + j) % n), (r + j) % n, (r - j + n) % n));
+  // NOTE: peers' chunks first, so the weight GEMMs and our own chunk run while they travel.
+  PeerParts peers(comm, like, scratch, "tp_gather_linears_backward", partial_grad_x);
   std::vector<at::Tensor> out{at::Tensor()};
   const at::Tensor x2 = x_full.reshape({-1, x_full.size(-1)});
   for (const auto& gy : gys) out.push_back(at::mm(gy.view({-1, gy.size(-1)}).t(), x2));  // (out/tp, h)
-  at::Tensor grad_x = partial_grad_x(r);
-  for (auto& [work, sent, recv] : pending) {
-    work->wait(std::nullopt);
-    grad_x.add_(recv);
-  }
-  out[0] = grad_x;
+  partial_grad_x(r, like);
+  out[0] = peers.add_into(like);
   return out;
 }
 
-at::Tensor tp_linear_reduce_scatter(Communicator& comm, const at::Tensor& h, const at::Tensor& weight, int64_t seq_dim) {
+at::Tensor tp_linear_reduce_scatter(Communicator& comm, const at::Tensor& h, const at::Tensor& weight, int64_t seq_dim,
+                                    const std::optional<at::Tensor>& scratch) {
   const int64_t n = comm.world_size(), r = comm.rank();
-  auto partial = [&](int64_t j) {  // (.., s, .., in/tp) @ (in/tp, out): this rank's part of chunk j's sum
-    const at::Tensor chunk = seq_chunk(h, seq_dim, n, j);
-    std::vector<int64_t> shape(chunk.sizes().begin(), chunk.sizes().end());
-    shape.back() = weight.size(0);
-    at::Tensor out = at::empty(shape, h.options());
-    mm_into(out, chunk, weight.t(), false);
-    return out;
+  std::vector<int64_t> shape(h.sizes().begin(), h.sizes().end());
+  shape[seq_dim] /= n;
+  shape.back() = weight.size(0);
+  const at::Tensor own = at::empty(shape, h.options());
+  // (.., s, .., in/tp) @ (in/tp, out): this rank's part of chunk j's sum
+  auto partial = [&](int64_t j, at::Tensor out) {
+    mm_into(out, seq_chunk(h, seq_dim, n, j), weight.t(), false);
   };
-  std::vector<Exchange> pending;  // NOTE: peers' chunks first (ring order), then ours while they travel
-  for (int64_t j = 1; j < n; ++j) pending.push_back(exchange(comm, partial((r + j) % n), (r + j) % n, (r - j + n) % n));
-  at::Tensor out = partial(r);
-  for (auto& [work, sent, recv] : pending) {
-    work->wait(std::nullopt);
-    out.add_(recv);
-  }
-  return out;
+  PeerParts peers(comm, own, scratch, "tp_linear_reduce_scatter", partial);  // NOTE: peers' chunks first, then ours
+  partial(r, own);
+  return peers.add_into(own);
 }
 
 std::vector<at::Tensor> tp_linear_reduce_scatter_backward(Communicator& comm, const at::Tensor& grad_out,
                                                           const at::Tensor& h, const at::Tensor& weight,
-                                                          int64_t seq_dim) {
+                                                          int64_t seq_dim, const std::optional<at::Tensor>& scratch) {
   const int64_t n = comm.world_size(), r = comm.rank();
   const at::Tensor go = grad_out.contiguous();  // (.., s, .., out): this rank's chunk
-  at::Tensor gathered = gather_buffer(go, n);
-  NaturalLayout whole(comm, go, seq_dim, n);
-  auto work = comm.all_gather_into_tensor(gathered, go, /*async_op=*/true);
+  NaturalLayout whole(comm, go, seq_dim, n);  // read within this op only: a view of the window will do
+  auto [gathered, work] = start_gather(comm, go, scratch, "tp_linear_reduce_scatter_backward");
   whole.queue(gathered);  // beside the GEMMs below
   at::Tensor grad_h = at::empty(h.sizes(), h.options());
   mm_into(seq_chunk(grad_h, seq_dim, n, r), go, weight, false);  // own chunk beside the all-gather

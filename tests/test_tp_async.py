@@ -124,6 +124,63 @@ def _error_case(group):
         async_tp.linear_reduce_scatter(x, torch.randn(4, 8, dtype=torch.float64), group, 3)
 
 
+def test_native_ops_get_the_window_their_exchange_fills():
+    """On NCCL each C++ op is handed the group's window where the chunks travel on the copy engines
+    (PYNCCL_TP_ASYNC_SUM auto/gather), of the bytes its exchange writes: world_size chunks for an
+    all-gather, 2 x world_size chunks of the partials for the all-to-all (the C++ body refuses a
+    smaller one); with `all_reduce` none (NCCL's kernels on ordinary memory). Checked on gloo with
+    the C++ bodies and the window stood in for."""
+    assert run_multiprocess(_window_case, 3, timeout=120) == [True] * 3
+
+
+class _Handed(Exception):
+    pass
+
+
+def _window_case(rank, world):
+    group = pynccl.get_default_group()
+    n, name = world, group.name
+    x, w = _seeded((2, 4, 8), 1), _seeded((6, 8), 2)          # this rank's chunk (seq_dim 1), a weight
+    x_full, h = _seeded((2, 4 * n, 8), 3), _seeded((2, 4 * n, 5), 4)
+    w2, go = _seeded((8, 5), 5), _seeded((2, 4, 8), 6)
+    size = x.element_size()
+    cases = {  # op: (its arguments, the bytes its exchange writes)
+        "tp_gather_linears": ((x, [w], 1, n, name), n * x.numel() * size),
+        "tp_gather_linears_backward": ((x_full, [w], [_seeded((2, 4 * n, 6), 7)], None, 1, n, name),
+                                       2 * x_full.numel() * size),
+        "tp_linear_reduce_scatter": ((h, w2, 1, n, name), 2 * n * (2 * 4 * 8) * size),
+        "tp_linear_reduce_scatter_backward": ((go, h, w2, 1, n, name), n * go.numel() * size),
+    }
+    asked = []
+
+    def window(g, key, nbytes):
+        asked.append((key, nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def body(*args):
+        raise _Handed(args[-1])
+
+    original = (async_tp.native, async_tp.scratch_window)
+    async_tp.native, async_tp.scratch_window = (lambda g, op: body), window
+    try:
+        for mode in ("gather", "all_reduce"):
+            os.environ["PYNCCL_TP_ASYNC_SUM"] = mode
+            for op, (args, nbytes) in cases.items():
+                asked.clear()
+                with pytest.raises(_Handed) as handed:
+                    getattr(torch.ops.pynccl, op)(*args)
+                scratch = handed.value.args[0]
+                if mode == "all_reduce":
+                    assert scratch is None and not asked, (op, asked)
+                else:
+                    assert asked == [(async_tp._EXCHANGE_KEY, nbytes)], (op, asked, nbytes)
+                    assert scratch is not None and scratch.numel() == nbytes, op
+    finally:
+        os.environ.pop("PYNCCL_TP_ASYNC_SUM", None)
+        async_tp.native, async_tp.scratch_window = original
+    return True
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("world", [2, 3])
 def test_async_tp_ops_match_the_whole_tensors_math(world):
@@ -289,18 +346,33 @@ def test_async_tp_compiles_without_graph_breaks():
 
 
 @pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_async_tp_ops_on_nccl():
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_tp_ops_on_nccl(world):
     """On NCCL the ops run in C++ (csrc/tp_overlap.cpp): each output and gradient equals the Python
-    reference's (the same GEMMs on the same chunks: bit for bit), then the plans as on gloo."""
-    assert run_multiprocess(_gpu_case, 2, backend="nccl", start_method="spawn", timeout=600) == [True, True]
+    reference's (the same GEMMs on the same chunks, the sums in the same order: bit for bit), the
+    chunks moved through the group's symmetric window (copy engines) and by NCCL's kernels alike;
+    then the plans as on gloo (at 2 ranks: the test models split their heads in 2)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    assert run_multiprocess(_gpu_case, world, backend="nccl", start_method="spawn", timeout=600) == [True] * world
 
 
 def _gpu_case(rank, world):
     torch.backends.cuda.matmul.allow_tf32 = False   # fp32 means fp32: the bounds are fp32's
     group = pynccl.get_default_group()
     device = pynccl.get_device(group)
-    _native_matches_python(group, device)
+    from pynccl.comm.symmetric import symmetric_support
+    from pynccl.tensor_parallel import async_tp_allreduce as ar
+    for mode in ("all_reduce", "gather"):
+        os.environ[ar.SUM_ENV] = mode
+        try:
+            _native_matches_python(group, device)
+        finally:
+            os.environ.pop(ar.SUM_ENV, None)
+    if symmetric_support(group).available:   # then the C++ side above ran on the window in one mode
+        assert group._scratch_windows[async_tp._EXCHANGE_KEY][0] is not None, "no symmetric window for the chunks"
+    if world != 2:
+        return True
     for what, config, plan in (("llama", llama_config(use_cache=False), tp.plans.llama(sequence_parallel=True)),
                                ("gpt2", gpt2_config(use_cache=False), tp.plans.gpt2(sequence_parallel=True))):
         with _Counted() as seen:

@@ -24,6 +24,15 @@ autograd.Function whose backward is the other decomposition:
 
 A rank's chunk of dim seq_dim is [r*s, (r+1)*s), s = the whole length / the group size, as
 comm.py's sequence ops. Bias-free: callers add a bias after (it is whole, summed once).
+
+How the chunks travel on NCCL (PYNCCL_TP_ASYNC_SUM, async_tp_allreduce.sums_by_gather, read at
+every call): where the group's collectives on symmetric memory run on the copy engines (`auto`, the
+default there, or `gather`), through one symmetric window per group: the all-gather of a chunk
+copied into this rank's slot, and the partial sums as one all-to-all of the peers' parts computed
+into their slots; the copies hold no SM, so the GEMMs beside them keep the whole GPU. Otherwise
+(`all_reduce`, or no copy engines) NCCL's all-gather into ordinary memory and a ring of send/recv
+pairs, whose kernels take SMs from those GEMMs. Either way the sums add the same terms in the same
+order (the Python reference's).
 """
 from __future__ import annotations
 
@@ -36,7 +45,9 @@ from ..comm import collectives
 from ..comm.functional_collectives import _checked_group, define_op
 from ..comm.groups import resolve_group
 from ..comm.p2p import P2POp, batch_work, irecv, isend
+from ..comm.symmetric import scratch_window
 from . import batch_overlap, grad_overlap
+from .async_tp_allreduce import sums_by_gather
 from .overlap_ops import check_weights, compute_dtype, dense_grads, mm_into, native
 
 PRECOMPUTED_ATTR = "_pynccl_tp_precomputed"   # tensor attribute: ((reader module, its output), ...)
@@ -62,6 +73,26 @@ def enabled(sequence_parallel: bool) -> bool:
 
 
 # ------------------------------------------------------------------------------- helpers
+# The group's symmetric window for the chunks' exchanges (comm/symmetric.py's scratch_window).
+# NOTE: one per group serves every op: each op is done reading it (in the caller's stream order)
+# before it returns, and a copy of what outlives the op (tp_gather_linears' whole x) is taken.
+_EXCHANGE_KEY = "tp_sequence_exchange"
+
+
+def _native_call(g, name: str, nbytes: int):
+    """(the C++ body, the window its exchange runs in or None) on NCCL, or None (gloo: the Python
+    reference below runs). The window where the group's copy engines move chunks (sums_by_gather)
+    and one of nbytes could be had; else the body's NCCL kernels on ordinary memory."""
+    body = native(g, name)
+    if body is None:
+        return None
+    return body, scratch_window(g, _EXCHANGE_KEY, nbytes) if sums_by_gather(g) else None
+
+
+def _nbytes(t: torch.Tensor, numel: int) -> int:
+    return numel * t.element_size()
+
+
 def _chunk(t: torch.Tensor, seq_dim: int, n: int, j: int) -> torch.Tensor:
     """Rank j's chunk of dim seq_dim of t (a view)."""
     s = t.shape[seq_dim] // n
@@ -139,9 +170,10 @@ def _gather_linears(x: torch.Tensor, weights: List[torch.Tensor], seq_dim: int, 
     g = _checked_group(group_name, group_size)
     n, r = group_size, g.group_rank
     _check_args("tp_gather_linears", x, seq_dim, n, weights, whole=False)
-    body = native(g, "tp_gather_linears")
-    if body is not None:
-        return body(x, list(weights), seq_dim)
+    call = _native_call(g, "tp_gather_linears", _nbytes(x, n * x.numel()))
+    if call is not None:
+        body, window = call
+        return body(x, list(weights), seq_dim, window)
     xs = x.contiguous()                                        # (.., s, .., h), this rank's chunk
     gathered, work = _start_gather(xs, g)
     ys = [xs.new_empty(_full_shape(xs, seq_dim, n, w.shape[0])) for w in weights]
@@ -167,9 +199,10 @@ def _gather_linears_backward(x_full: torch.Tensor, weights: List[torch.Tensor], 
                              group_name: str) -> List[torch.Tensor]:
     g = _checked_group(group_name, group_size)
     n, r = group_size, g.group_rank
-    body = native(g, "tp_gather_linears_backward")
-    if body is not None:
-        return body(x_full, list(weights), list(grad_ys), grad_x_full, seq_dim)
+    call = _native_call(g, "tp_gather_linears_backward", _nbytes(x_full, 2 * x_full.numel()))
+    if call is not None:
+        body, window = call
+        return body(x_full, list(weights), list(grad_ys), grad_x_full, seq_dim, window)
     grad_ys = [gy.contiguous() for gy in grad_ys]   # once, for the chunk GEMMs and the weight GEMM alike
 
     def partial_grad_x(j):  # chunk j of sum_i grad_y_i @ w_i (+ grad_x_full): this rank's part of its sum
@@ -225,9 +258,11 @@ def _linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, seq_dim: int, 
     g = _checked_group(group_name, group_size)
     n, r = group_size, g.group_rank
     _check_args("tp_linear_reduce_scatter", h, seq_dim, n, [weight], whole=True)
-    body = native(g, "tp_linear_reduce_scatter")
-    if body is not None:
-        return body(h, weight, seq_dim)
+    out_chunk = h.numel() // max(h.shape[-1], 1) // n * weight.shape[0]   # elements of this rank's output
+    call = _native_call(g, "tp_linear_reduce_scatter", _nbytes(h, 2 * n * out_chunk))
+    if call is not None:
+        body, window = call
+        return body(h, weight, seq_dim, window)
 
     def partial(j):  # (.., s, .., in/tp) @ (in/tp, out) -> this rank's part of chunk j's sum
         chunk = _chunk(h, seq_dim, n, j)
@@ -250,9 +285,10 @@ def _linear_reduce_scatter_backward(grad_out: torch.Tensor, h: torch.Tensor, wei
                                     group_size: int, group_name: str) -> List[torch.Tensor]:
     g = _checked_group(group_name, group_size)
     n, r = group_size, g.group_rank
-    body = native(g, "tp_linear_reduce_scatter_backward")
-    if body is not None:
-        return body(grad_out, h, weight, seq_dim)
+    call = _native_call(g, "tp_linear_reduce_scatter_backward", _nbytes(grad_out, n * grad_out.numel()))
+    if call is not None:
+        body, window = call
+        return body(grad_out, h, weight, seq_dim, window)
     go = grad_out.contiguous()                                  # (.., s, .., out), this rank's chunk
     gathered, work = _start_gather(go, g)
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format)
