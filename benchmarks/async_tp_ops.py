@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import pynccl
 from pynccl.comm import functional_collectives as fc
+from pynccl.comm.symmetric import symmetric_support
 from pynccl.tensor_parallel import async_tp
 from pynccl.tensor_parallel.async_tp_allreduce import SUM_ENV
 
@@ -88,7 +89,10 @@ def main():
         "attn o_proj (scatter)": ("scatter", args.heads * head_dim // n),
         "mlp down (scatter)": ("scatter", args.intermediate // n),
     }
+    support = symmetric_support(group)
     if rank == 0:
+        if not support.available:   # then scratch_window gives None and the C++ ops take NCCL's kernels
+            print(f"# no symmetric window ({support.reason}): the window column runs NCCL's kernels too")
         print(f"# async_tp_ops: {n} × {torch.cuda.get_device_name()}; torch {torch.__version__}, NCCL "
               f"{'.'.join(map(str, torch.cuda.nccl.version()))}; batch {b}, seq {s}, hidden {h}, bf16, chunks along "
               f"{'the batch' if d == 0 else 'the sequence'}; "
@@ -146,12 +150,15 @@ def main():
             with torch.no_grad() if not bwd else torch.enable_grad():
                 results = {k: _time(f, args.iters, args.repeats) for k, f in
                            (("floor", floor), ("sequential", sequential))}
+                before = os.environ.get(SUM_ENV)
                 for mode, label in (("all_reduce", "ring"), ("gather", "window")):
                     os.environ[SUM_ENV] = mode
                     try:
                         results[label] = _time(overlapped, args.iters, args.repeats)
                     finally:
                         os.environ.pop(SUM_ENV, None)
+                        if before is not None:
+                            os.environ[SUM_ENV] = before
                 native = async_tp.native
                 async_tp.native = lambda g, name: None   # the Python reference of the same ops
                 try:

@@ -238,6 +238,14 @@ def groups(n):
                       _train(n, "llama1b_tp_sp_batch_async", f"{L1B} --batch {max(4, n)} --strategy tp-sp "
                                                              "--impl pynccl --compile on --floor --sp-dim 0 "
                                                              "--warmup 3 --steps 8", cap=180, env="PYNCCL_TP_ASYNC=1 ")],
+        # Sequence parallelism's chunks on the copy engines (PYNCCL_TP_ASYNC=1, the batch split) with each
+        # compiled block replayed as a CUDA graph, beside TP with its row-parallel sums in 4 slices, the
+        # one-GPU floor in the same run; then the ops' GPU tests (the window and NCCL's kernels).
+        "tpspgraph": [_train(n, "llama1b_tp_sp_graphed", f"{L1B} --batch {max(4, n)} --strategy tp-sp,tp "
+                                                         "--impl pynccl --compile on --compile-mode reduce-overhead "
+                                                         "--floor --sp-dim 0 --warmup 3 --steps 10", cap=240,
+                             env="PYNCCL_TP_ASYNC=1 PYNCCL_TP_ASYNC_CHUNKS=4 "),
+                      ("tpspgraph_tests", 180, f"{TESTS} tests/test_tp_async.py -k nccl")],
         "zero3floor": [_train(n, "llama1b_zero3floor", f"{L1B} --batch 4 --strategy zero3 --compile both --floor "
                                                        "--warmup 3 --steps 8", cap=540)],
         "nanogpt": [("nanogpt", 300, f"python3 benchmarks/nanogpt_swap.py --nproc {n} --json {{out}}/nanogpt.json "

@@ -1,7 +1,8 @@
 """pynccl.DistributedDataParallel against torch DDP in the same ranks, on gloo, where the two once
 diverged: the parameters and buffers torch is told to ignore, torch's fp16 / bf16 compress wrappers
-(GradBucket.set_buffer), static_graph with a parameter used outside forward or two forwards before
-one backward, and sparse gradients (refused at construction, naming the parameter).
+(GradBucket.set_buffer), static_graph with a parameter used outside forward, two forwards before
+one backward, or one block run twice under reentrant checkpoints, and sparse gradients (refused at
+construction, naming the parameter).
 
 NOTE: two ranks, so averaging is exact: halving is exact in binary floating point, and both DDPs sum
 the same two fp32 values (round(a + b) / 2 == round(a / 2 + b / 2)); gradients are compared bit for bit."""
@@ -153,9 +154,26 @@ class _TwoPaths(nn.Module):
         return self.c(self.b(h) if use_b else h)
 
 
+class _SharedCheckpointed(nn.Module):
+    """One block applied twice, each under a reentrant checkpoint: its parameters' gradient hooks
+    fire once per application (each recomputation runs its own backward), which torch's static_graph
+    counts in the first iteration and waits for after."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(2):
+            h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.block(t)), h, use_reentrant=True)
+        return self.out(h)
+
+
 def _check_static_graph(rank, ws):
     losses = {"outside forward": (_Temp, lambda d, x: d(x).sum() * d.module.temp),
-              "two forwards": (_TwoPaths, lambda d, x: d(x, True).sum() + d(x, False).sum())}
+              "two forwards": (_TwoPaths, lambda d, x: d(x, True).sum() + d(x, False).sum()),
+              "a block twice under reentrant checkpoints": (_SharedCheckpointed, lambda d, x: d(x).sum())}
     for what, (make, loss) in losses.items():
         for view in (False, True):
             ours, theirs = _both(make, static_graph=True, gradient_as_bucket_view=view)

@@ -114,7 +114,8 @@ def test_a_rank_without_room_for_a_window_makes_every_rank_fall_back():
 def _scratch_windows(rank, world_size):
     """scratch_window (gloo, NCCL's allocation stood in): one window per key, rounded up to 1 MiB,
     reused while it fits, grown when asked for more; where growing fails the smaller window still
-    serves the sizes it fits and larger ones get None; never allocated while a capture runs."""
+    serves the sizes it fits and larger ones get None; never allocated while a capture runs; one
+    handed out during a capture outlives its replacement (the graph replays into it)."""
     from unittest import mock
     from pynccl.comm import symmetric
     g = pynccl.get_default_group()
@@ -134,6 +135,8 @@ def _scratch_windows(rank, world_size):
             assert symmetric.scratch_window(g, "a", 5) is a
         a2 = symmetric.scratch_window(g, "a", mib + 1)
         assert a2.numel() == 2 * mib and calls == [mib, mib, 2 * mib]
+        assert [w is a for w in g._scratch_windows_in_graphs] == [True], "the captured window must stay allocated"
+        assert symmetric.scratch_window(g, "b", 10) is b and len(g._scratch_windows_in_graphs) == 1
         free[0] = 0 if rank == 1 else 1 << 40      # rank 1 has no room: every rank falls back
         assert symmetric.scratch_window(g, "b", 3 * mib) is None and len(calls) == 3
         assert symmetric.scratch_window(g, "b", 10) is b and symmetric.scratch_window(g, "b", 2 * mib) is None

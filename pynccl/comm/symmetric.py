@@ -246,12 +246,17 @@ def scratch_window(group: ProcessGroup, key: str, nbytes: int) -> Optional[torch
     synchronizes the host), or none could be had (a smaller window is kept for the sizes it fits).
     Collective when it allocates: callers must ask on every rank in the same order with the same
     sizes (as ops every rank runs alike do). Its user must be done with it (in stream order) before
-    the next use."""
+    the next use. A window handed out while a CUDA graph is captured stays allocated as long as the
+    group, even once a larger one replaces it under its key: the graph holds its address."""
     state = getattr(group, "_scratch_windows", None)
     if state is None:
         state = group._scratch_windows = {}
     window, unavailable = state.get(key, (None, False))
     if window is not None and window.numel() >= nbytes:
+        if _capturing():
+            kept = group.__dict__.setdefault("_scratch_windows_in_graphs", [])
+            if not any(w is window for w in kept):
+                kept.append(window)
         return window
     if unavailable or _capturing():
         return None

@@ -153,6 +153,12 @@ class GradBucketer:
         # got a gradient, before every bucket is handed out (DDP's static_graph first iteration).
         self.on_deferred_end: Optional[Callable[[List[bool]], None]] = None
         self._deferred = False
+        # static_graph: how many times each parameter's hook fires per backward, counted in the deferred
+        # first backward (a block run k times under reentrant checkpoints fires k times: each
+        # recomputation runs its own backward); later a parameter is ready at its last firing (torch's
+        # numGradHooksTriggeredMap). None until then, and without static_graph: ready at the first.
+        self.expected_fires: Optional[List[int]] = None
+        self._fires = [0] * len(self.params)
         self.used = [False] * len(self.params)     # a gradient arrived since reset_used(), armed or not
         self.rebuild(list(range(len(self.params) - 1, -1, -1)))
 
@@ -192,8 +198,26 @@ class GradBucketer:
 
     def _hook(self, idx: int, param: torch.Tensor) -> None:
         self.used[idx] = True
-        if self._armed and idx not in self._early:
-            self._mark_idx(idx)
+        if not self._armed or idx in self._early:
+            return
+        self._fires[idx] += 1
+        fires = self._fires[idx]
+        if self._deferred:
+            if fires == 1:
+                self._mark_idx(idx)
+            return
+        # NOTE: 0: no firing in the first backward (unused, or marked ready early in its place): its
+        # first firing marks it, as without static_graph
+        expected = 0 if self.expected_fires is None else self.expected_fires[idx]
+        if expected and fires != expected:
+            if fires < expected:
+                return
+            raise RuntimeError(
+                f"DistributedDataParallel(static_graph=True): parameter '{self.param_names[idx]}' got {fires} "
+                f"gradients in this backward, where the first iteration gave it {expected}: static_graph needs "
+                "every iteration to use the parameters the same way (pass static_graph=False, with "
+                "find_unused_parameters=True if some go unused)")
+        self._mark_idx(idx)
 
     def mark_ready_early(self, idx: int) -> None:
         """Parameter `idx` is ready before its gradient accumulates (its caller reduces something
@@ -230,6 +254,7 @@ class GradBucketer:
         self._order_now = []
         self._pending_unused = [self._index_of[id(p)] for p in unused if id(p) in self._index_of]
         self._early = set()
+        self._fires = [0] * len(self.params)
         self._started = False
         self._deferred = defer
         self._armed = True
@@ -277,6 +302,7 @@ class GradBucketer:
         bucket goes out, in order; the first ready_order is the gradients' order, the rest after."""
         ready, got = list(self._ready), list(self._order_now)
         self._deferred = False
+        self.expected_fires = list(self._fires)
         if self.on_deferred_end is not None:
             self.on_deferred_end(ready)
         self._ready = [False] * len(self.params)

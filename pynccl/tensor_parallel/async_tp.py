@@ -36,6 +36,7 @@ order (the Python reference's).
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import List, Optional, Sequence
 
@@ -258,7 +259,7 @@ def _linear_reduce_scatter(h: torch.Tensor, weight: torch.Tensor, seq_dim: int, 
     g = _checked_group(group_name, group_size)
     n, r = group_size, g.group_rank
     _check_args("tp_linear_reduce_scatter", h, seq_dim, n, [weight], whole=True)
-    out_chunk = h.numel() // max(h.shape[-1], 1) // n * weight.shape[0]   # elements of this rank's output
+    out_chunk = math.prod(h.shape[:-1]) // n * weight.shape[0]   # elements of this rank's output
     call = _native_call(g, "tp_linear_reduce_scatter", _nbytes(h, 2 * n * out_chunk))
     if call is not None:
         body, window = call
