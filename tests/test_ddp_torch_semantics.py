@@ -1,7 +1,8 @@
 """pynccl.DistributedDataParallel against torch DDP in the same ranks, on gloo, where the two once
 diverged: the parameters and buffers torch is told to ignore, torch's fp16 / bf16 compress wrappers
 (GradBucket.set_buffer), static_graph with a parameter used outside forward, two forwards before
-one backward, or one block run twice under reentrant checkpoints, and sparse gradients (refused at
+one backward, or one block run twice under reentrant checkpoints, reentrant checkpoints before the
+end of backward (tied embeddings, the output made in one), and sparse gradients (refused at
 construction, naming the parameter).
 
 NOTE: two ranks, so averaging is exact: halving is exact in binary floating point, and both DDPs sum
@@ -188,6 +189,90 @@ def _check_static_graph(rank, ws):
 
 def test_static_graph_learns_from_first_backward_like_torch():
     run_multiprocess(_check_static_graph, WORLD, backend="gloo", timeout=120)
+
+
+# ----------------------------------------------------------------------------- reentrant checkpoints
+# A hook inside a reentrant checkpoint fires in that checkpoint's own backward, which ends before the
+# outer one: the end of the reduction must wait for the outer backward (torch's _DDPSink), or a
+# gradient computed after the checkpoint is left out of it.
+
+def _reentrant(f, h):
+    return torch.utils.checkpoint.checkpoint(f, h, use_reentrant=True)
+
+
+class _EndCheckpointed(nn.Module):
+    """The output comes from a reentrant checkpoint: every hook of the first backward fires inside one."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(2):
+            h = _reentrant(lambda t: torch.tanh(self.block(t)), h)
+        return h
+
+
+class _TiedCheckpointed(nn.Module):
+    """An LM head tied to its embedding (tied_embedding_rows acts: on by default) and a reentrant
+    checkpoint: around the block between them ("block"), around that block with the tied weight
+    also read inside it ("functional"), or around the head ("head")."""
+
+    def __init__(self, where="block"):
+        super().__init__()
+        self.where = where
+        self.emb, self.mid, self.head = nn.Embedding(6, 4), nn.Linear(4, 4), nn.Linear(4, 6, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        if self.where == "head":
+            return _reentrant(self.head, torch.tanh(self.mid(self.emb(ids))))
+        extra = (lambda t: t @ self.emb.weight[:4]) if self.where == "functional" else (lambda t: 0)
+        return self.head(_reentrant(lambda t: torch.tanh(self.mid(t) + extra(t)), self.emb(ids)))
+
+
+def _check_reentrant(rank, ws):
+    from numerics import assert_within, chain_rtol
+    cases = [("output from a checkpoint", _EndCheckpointed, {"static_graph": True},
+              lambda g: torch.randn(3, 4, generator=g)),
+             ("tied LM", _TiedCheckpointed, {}, None), ("tied LM", _TiedCheckpointed, {"static_graph": True}, None),
+             ("tied weight read in the checkpoint", lambda: _TiedCheckpointed("functional"), {"static_graph": True},
+              None),
+             ("tied head in the checkpoint", lambda: _TiedCheckpointed("head"), {"static_graph": True}, None)]
+    for what, make, kw, inputs in cases:
+        inputs = inputs or (lambda g: torch.randint(0, 6, (2, 3), generator=g))
+        for view in (False, True):
+            ours, theirs = _both(make, gradient_as_bucket_view=view, **kw)
+            g = torch.Generator().manual_seed(rank)
+            for step in range(3):
+                x = inputs(g)
+                for d in (ours, theirs):
+                    d.zero_grad(set_to_none=True)
+                    d(x).sum().backward()
+                label = f"{what}, {kw}, view={view}, step {step}"
+                if make is _EndCheckpointed:
+                    _assert_same_grads(ours, theirs, label)
+                    continue
+                # NOTE: the tied rows add the lookup's rows apart from the head's part: the tied gradient is
+                # each element's sum of ws * 6 token terms and the head's in another order than torch's
+                rtol = chain_rtol(ws * 6 + ws + 1)
+                for (name, p), q in zip(ours.module.named_parameters(), theirs.module.parameters()):
+                    assert_within(p.grad, q.grad, rtol * q.grad.abs().max().item(), f"{label}: grad of {name}")
+    # without static_graph a parameter whose hook fires twice (in and after the checkpoint) is refused,
+    # not reduced in part: at once for the head in it; for the weight read in it once the tied rows
+    # step aside (after the first step, whose tied gradient misses that read: see training.md)
+    for where, steps in (("head", 1), ("functional", 3)):
+        ours = pynccl.DistributedDataParallel(_TiedCheckpointed(where))
+        with pytest.raises(RuntimeError, match="ready only once per backward.*static_graph=True"):
+            for _ in range(steps):
+                ours.zero_grad(set_to_none=True)
+                ours(torch.randint(0, 6, (2, 3))).sum().backward()
+
+
+@pytest.mark.numerics
+def test_reentrant_checkpoints_reduce_after_the_outer_backward_like_torch():
+    run_multiprocess(_check_reentrant, WORLD, backend="gloo", timeout=180)
 
 
 # ----------------------------------------------------------------------------- sparse gradients

@@ -31,6 +31,10 @@ first_bucket_cap_bytes=1 MiB, param_names=None, pad_to=1)``
         issues its collectives in the same order even when gradients arrive in a different
         order). After the last bucket, ``on_backward_end()`` is queued to run when the
         autograd engine finishes (queue_callback), or called at once outside of backward.
+      * ``watch_outputs(output)`` (DDP's forward): the end-of-backward work then runs when the
+        backward that reached those outputs finishes, not the one a hook fired in: a hook inside
+        a reentrant checkpoint fires in that checkpoint's own backward, which ends first (torch's
+        _DDPSink queues its callback from the outputs' backward for the same reason).
       * ``ready_order``: parameter indices in the order their gradients became ready in the
         first complete armed iteration; ``rebuild(order)`` re-buckets in that order (DDP
         broadcasts rank 0's order first so every rank builds identical buckets).
@@ -59,6 +63,11 @@ from ..comm.coalesced import MiB, assign_buckets
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB
 DEFAULT_BUCKET_BYTES = 25 * MiB
 
+
+def _outer_started(ref, grad):
+    bucketer = ref()
+    if bucketer is not None:
+        bucketer._outer_started()
 
 def _hook_via(ref, idx: int, param: torch.Tensor) -> None:
     bucketer = ref()
@@ -159,6 +168,10 @@ class GradBucketer:
         # numGradHooksTriggeredMap). None until then, and without static_graph: ready at the first.
         self.expected_fires: Optional[List[int]] = None
         self._fires = [0] * len(self.params)
+        # watch_outputs: the outer backward started (an output's gradient arrived): callbacks wait for
+        # its end in _held, run in order by _outer_end
+        self._outer = False
+        self._held: List[Callable[[], None]] = []
         self.used = [False] * len(self.params)     # a gradient arrived since reset_used(), armed or not
         self.rebuild(list(range(len(self.params) - 1, -1, -1)))
 
@@ -198,9 +211,11 @@ class GradBucketer:
 
     def _hook(self, idx: int, param: torch.Tensor) -> None:
         self.used[idx] = True
-        if not self._armed or idx in self._early:
+        if not self._armed:
             return
-        self._fires[idx] += 1
+        self._fires[idx] += 1      # NOTE: counted while marked early too: a later backward may not mark it
+        if idx in self._early:
+            return
         fires = self._fires[idx]
         if self._deferred:
             if fires == 1:
@@ -218,6 +233,10 @@ class GradBucketer:
                 "every iteration to use the parameters the same way (pass static_graph=False, with "
                 "find_unused_parameters=True if some go unused)")
         self._mark_idx(idx)
+
+    def got_gradient(self, idx: int) -> bool:
+        """Whether parameter idx's gradient hook fired in this armed backward."""
+        return self._armed and self._fires[idx] > 0
 
     def mark_ready_early(self, idx: int) -> None:
         """Parameter `idx` is ready before its gradient accumulates (its caller reduces something
@@ -255,6 +274,8 @@ class GradBucketer:
         self._pending_unused = [self._index_of[id(p)] for p in unused if id(p) in self._index_of]
         self._early = set()
         self._fires = [0] * len(self.params)
+        self._outer = False
+        self._held = []
         self._started = False
         self._deferred = defer
         self._armed = True
@@ -318,8 +339,9 @@ class GradBucketer:
         if self._ready[idx]:
             raise RuntimeError(
                 f"Expected to mark parameter '{self.param_names[idx]}' ready only once per backward. It got a "
-                "gradient twice: is it used in a reentrant checkpoint (use use_reentrant=False), or was backward "
-                "run twice on one forward? Unused parameters cannot also receive a gradient.")
+                "gradient twice: is it used in a reentrant checkpoint and elsewhere too (use use_reentrant=False, "
+                "or static_graph=True, which counts the gradients a parameter gets), or was backward run twice on "
+                "one forward? Unused parameters cannot also receive a gradient.")
         self._ready[idx] = True
         if record:
             self._order_now.append(idx)
@@ -338,8 +360,31 @@ class GradBucketer:
     def _queue_end(self) -> None:
         self._queue(self._end)
 
-    @staticmethod
-    def _queue(callback: Callable[[], None]) -> None:
+    def watch_outputs(self, output) -> None:
+        """Hook every tensor of `output` (any nesting torch's pytree knows) that autograd will
+        reach: the first of them to get its gradient in the next backward queues _outer_end on that
+        (outermost) backward. Outputs without such a tensor leave the callbacks where the hooks fire."""
+        ref = weakref.ref(self)
+        for t in torch.utils._pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(functools.partial(_outer_started, ref))
+
+    def _outer_started(self) -> None:
+        if self._armed and not self._outer:
+            self._outer = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._outer_end)
+
+    def _outer_end(self) -> None:
+        try:
+            while self._held:          # NOTE: _end_deferred holds _end here in turn: run in order
+                self._held.pop(0)()
+        finally:
+            self._outer = False
+
+    def _queue(self, callback: Callable[[], None]) -> None:
+        if self._outer:
+            self._held.append(callback)
+            return
         try:
             torch.autograd.Variable._execution_engine.queue_callback(callback)
         except RuntimeError:

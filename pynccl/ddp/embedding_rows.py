@@ -280,6 +280,12 @@ class TiedEmbeddingRows:
                 return False               # backward(inputs=...) without the weight
         except RuntimeError:
             return False                   # torch.autograd.grad: nothing accumulates, nothing to reduce
+        if idx not in reducer.diverted and reducer.bucketer.got_gradient(idx):
+            # NOTE: the weight's own gradient hook already fired in this backward (a use that bypassed the
+            # aliases ran in a reentrant checkpoint's backward, which ends first): this part goes to
+            # .grad as well, as autograd would (static_graph counts the second firing; without it the
+            # bucketer refuses a parameter ready twice)
+            return False
         if part == "lookup" or idx in reducer.diverted:
             # NOTE: a head part after the weight went out (a second head call: head_calls > 1, so
             # the rest crosses densely) joins the lookups' gradient.

@@ -261,6 +261,7 @@ class DistributedDataParallel(nn.Module):
         if sync:
             self.require_forward_param_sync = True
             self.reducer.prepare_for_backward(output)
+            self.reducer.bucketer.watch_outputs(output)
         else:
             self.require_forward_param_sync = False
             self.reducer.bucketer.disarm()
