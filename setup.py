@@ -33,6 +33,7 @@ SOURCES = [
     "csrc/op_scope.cpp",
     "csrc/p2p.cpp",
     "csrc/symmetric_memory.cpp",
+    "csrc/tp_exchange.cpp",
     "csrc/tp_overlap.cpp",
     "csrc/watchdog.cpp",
     "csrc/work.cpp",
