@@ -29,3 +29,8 @@ class PacingTimeoutError(PyncclError, TimeoutError):
 
 class CollectiveMismatchError(PyncclError):
     """Ranks of one group called different collectives (op, dtype, count, root or sequence number)."""
+
+
+class ShardedParameterError(RuntimeError):
+    """A ZeRO-3 sharded parameter was used outside the forward of its unit, where its module
+    attribute holds no values (zero/placeholder.py); not a communication failure."""

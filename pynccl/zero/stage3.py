@@ -47,6 +47,7 @@ from .gather_ring import build_gather_ring
 from .gather_walk import GatherWalk
 from .layout import FlatLayout
 from .params import ParamInfo, install
+from .placeholder import ShardedParamPlaceholder, make_placeholders
 
 
 class ShardedParamsRuntime(GatherWalk):
@@ -76,7 +77,7 @@ class ShardedParamsRuntime(GatherWalk):
         self.units: List[ShardedUnit] = []
         self.unit_infos: List[List[ParamInfo]] = []
         self.root: Optional[ShardedUnit] = None
-        self._placeholder = {}
+        self._placeholders: List[List[ShardedParamPlaceholder]] = []    # per unit, one per parameter
         for u_idx, group_members in members.items():
             if not group_members:
                 continue
@@ -89,6 +90,8 @@ class ShardedParamsRuntime(GatherWalk):
                 info.location = (unit.index, slot_idx)
             self.units.append(unit)
             self.unit_infos.append([i for i, _ in group_members])
+            self._placeholders.append(make_placeholders(unit_modules[u_idx - 1] if u_idx else None, self.unit_infos[-1],
+                                                        unit.full.device))
             # NOTE: a tensor hook is held from C++, where the garbage collector cannot see it: a
             # strong reference to the runtime (or the unit, which holds the tensor) would keep the
             # whole runtime, every shard included, alive after the model is dropped.
@@ -144,11 +147,9 @@ class ShardedParamsRuntime(GatherWalk):
 
     # ------------------------------------------------------------------ gather / free
     def _install_placeholders(self, unit: ShardedUnit) -> None:
-        # Outside its forward a module sees an empty tensor, never a view of freed memory.
-        empty = self._placeholder.setdefault(unit.compute_dtype, torch.empty(0, dtype=unit.compute_dtype,
-                                                                               device=unit.full.device))
-        for info in self.unit_infos[unit.index]:
-            install(info, empty)
+        # Outside its forward a module sees a tensor without data (placeholder.py), never a view of freed memory.
+        for info, placeholder in zip(self.unit_infos[unit.index], self._placeholders[unit.index]):
+            install(info, placeholder)
 
     def _start_gather(self, unit: ShardedUnit) -> None:
         if unit.gather_work is None and not unit.is_current:
