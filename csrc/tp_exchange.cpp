@@ -201,8 +201,18 @@ std::pair<at::Tensor, std::shared_ptr<Work>> start_gather(Communicator& comm, co
     const auto device = static_cast<c10::DeviceIndex>(comm.device());
     const c10::cuda::CUDAGuard guard(device);
     comm.order_after(comm_stream, caller_stream(comm));  // `local` is made, the window's last reader done
-    const c10::cuda::CUDAStreamGuard on_comm(c10::cuda::getStreamFromExternal(comm_stream, device));
-    mine.copy_(local);
+    {
+      const c10::cuda::CUDAStreamGuard on_comm(c10::cuda::getStreamFromExternal(comm_stream, device));
+      mine.copy_(local);
+    }
+    try {
+      return {slots.flatten(0, 1), comm.all_gather_into_tensor(slots, mine, /*async_op=*/true)};
+    } catch (...) {
+      // NOTE: no Work for the caller to wait on: its stream waits for the copy here, before `local`
+      // can go back to the allocator and a caller kernel reuse it under the pending read.
+      comm.order_after(caller_stream(comm), comm_stream);
+      throw;
+    }
   }
   return {slots.flatten(0, 1), comm.all_gather_into_tensor(slots, mine, /*async_op=*/true)};
 }
