@@ -9,7 +9,6 @@
 #include <tuple>
 
 #include "check.h"
-#include "dtypes.h"
 
 namespace pynccl::tp_exchange {
 

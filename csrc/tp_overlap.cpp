@@ -8,7 +8,6 @@
 #include <ATen/ATen.h>
 
 #include <optional>
-#include <tuple>
 #include <utility>
 #include <vector>
 
