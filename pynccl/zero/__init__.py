@@ -9,6 +9,7 @@ Files, one responsibility each:
   stage12.py         stages 1 and 2 (replicated params, GradBucketer buckets)
   stage3.py          stage 3 (per-unit gather, prefetch, saved-tensor hooks)
   placeholder.py     stage 3: what a parameter's attribute holds outside its unit's forward (no data; ops raise)
+  root_calls.py      calls of the wrapped module outside the wrapper's forward (model.module(...), generate)
   mixed_precision.py MixedPrecision policy
   clip.py            global-norm gradient clipping that knows which tensors are shards
   grad_scaler.py     ShardedGradScaler: fp16 loss scaling whose inf check covers every rank's shard

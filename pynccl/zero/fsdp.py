@@ -17,7 +17,9 @@ What users see:
     Optimizers that look at a whole tensor (LAMB and LARS trust ratios, Adafactor's factored
     moments, Shampoo/SOAP/Muon, LBFGS) see row shards and are NOT exact.
   * Inside forward the module reads full tensors (gathered, compute dtype) under the same
-    attribute names, so its code runs unchanged; its buffers stay as they are.
+    attribute names, so its code runs unchanged; its buffers stay as they are. A call of
+    model.module itself (an eval loop, Hugging Face model.generate / model.module.generate) is
+    a forward too, as with FSDP2's root module (root_calls.py): on every rank alike.
     requires_grad=False parameters are kept whole on every rank (not sharded).
     `model.module.state_dict()` holds the row shards; `model.state_dict()` DTensors (FSDP2's
     form, for torch.distributed.checkpoint: dcp.py), `full_state_dict()` the full tensors.
@@ -56,6 +58,7 @@ from . import state_dict as _state_dict
 from .memory import held_bytes
 from .mixed_precision import MixedPrecision, cast_inputs, cast_outputs, check_policy
 from .params import collect_params, install, named_buffers_all
+from .root_calls import RootCallHooks
 from .sharding_strategy import resolve_stage
 from .stage3 import ShardedParamsRuntime
 from .stage12 import ReplicatedParamsRuntime
@@ -128,6 +131,7 @@ class FullyShardedDataParallel(nn.Module):
                                                     self.policy, int(bucket_cap_mb * MiB), sync_module_states,
                                                     self.replicate_group)
         del tensors
+        self._root_calls = RootCallHooks(self)     # model.module(...) / generate outside forward (root_calls.py)
 
     def _keep_frozen(self, tensors: List[torch.Tensor], sync: bool) -> None:
         """requires_grad=False parameters stay whole on every rank, cast to the compute dtype."""
@@ -159,13 +163,26 @@ class FullyShardedDataParallel(nn.Module):
         return cast_outputs(self.policy, out)
 
     @torch._disable_dynamo                             # never traced by torch.compile (collectives)
-    def _pre_forward(self) -> None:
+    def _pre_forward(self, wrapper_call: bool = True) -> None:
         if torch.is_grad_enabled():
             self._check_requires_grad()
         if self.stage != 3:
             self._runtime.pre_forward(self._sync_grads)
         else:
             self._runtime.pre_root_forward(self._sync_grads)
+        # NOTE: last, right before forward calls the module: its hooks then leave that call to forward.
+        self._root_calls.wrapper_call_next = wrapper_call
+
+    def generate(self, *args, **kwargs):
+        """The wrapped module's generate() (Hugging Face GenerationMixin), as FSDP2's model.generate: each
+        forward call inside it gathers what it needs and releases it after (root_calls.py). Collective:
+        call it on every rank with the same inputs (and the same seed when sampling), so that every rank
+        makes as many forward calls; model.module.generate(...) is the same."""
+        generate = getattr(self.module, "generate", None)
+        if not callable(generate):
+            raise AttributeError(f"FullyShardedDataParallel.generate: the wrapped {type(self.module).__name__} has "
+                                 f"no generate() (Hugging Face models have it through GenerationMixin)")
+        return generate(*args, **kwargs)
 
     def _check_requires_grad(self) -> None:
         """Which parameters train is fixed at wrapping (shards, buckets and units are built from it, as

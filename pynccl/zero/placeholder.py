@@ -82,8 +82,8 @@ def _error_naming(func, args, kwargs) -> ShardedParameterError:
 
 def make_placeholders(unit_module: Optional[nn.Module], infos, device: torch.device) -> List[ShardedParamPlaceholder]:
     """One placeholder per parameter (params.ParamInfo) of the unit of `unit_module` (None: the root unit)."""
-    unit = "the root unit, gathered only during the FullyShardedDataParallel forward" if unit_module is None \
-        else _unit_name(unit_module, infos[0])
+    unit = ("the root unit, gathered only during a call of the wrapped module: the FullyShardedDataParallel "
+            "forward, model.module(...), generate()") if unit_module is None else _unit_name(unit_module, infos[0])
     return [ShardedParamPlaceholder(i.names, unit, i.shape, i.dtype, device, i.requires_grad) for i in infos]
 
 
