@@ -39,6 +39,7 @@ from .join import Join
 from .optimizer_overlap import OptimizerOverlap
 from .reducer import Reducer
 from .sync_batchnorm import SyncBatchNorm
+from .torch_args import group_or_mesh, refuse_unsupported, sync_plan
 
 __all__ = ["DistributedDataParallel", "SyncBatchNorm"]
 
@@ -105,7 +106,9 @@ def _refuse_sparse_gradients(module: nn.Module, named_params) -> None:
 
 
 class DistributedDataParallel(nn.Module):
-    """Data parallelism over a pynccl group; torch.nn.parallel.DistributedDataParallel's arguments.
+    """Data parallelism over a pynccl group; torch.nn.parallel.DistributedDataParallel's arguments, in
+    its positional order (torch 2.14's): those beyond pynccl's own core are mapped or refused in
+    torch_args.py (init_sync, forward_sync_buffers and device_mesh act as in torch).
 
     Comm hooks see buckets as torch's do, not divided by world size (see hooks.py). `dim` and
     `output_device` are kept for compatibility: single-device modules only, as torch today.
@@ -123,13 +126,22 @@ class DistributedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
-                 broadcast_buffers: bool = True, process_group=None, bucket_cap_mb=25,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: Optional[bool] = None,
-                 static_graph: bool = False, *, comm_path: Optional[str] = None,
-                 tied_embedding_rows: Optional[bool] = None):
+                 broadcast_buffers: Optional[bool] = None, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb=None, find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: Optional[bool] = None, static_graph: bool = False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None, mixed_precision=None,
+                 device_mesh=None, skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list=None,
+                 batched_grad_copy: bool = False, forward_sync_buffers: Optional[bool] = None, *,
+                 comm_path: Optional[str] = None, tied_embedding_rows: Optional[bool] = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}")
+        refuse_unsupported(check_reduction, delay_all_reduce_named_params=delay_all_reduce_named_params,
+                           param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+                           skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+                           bucket_cap_mb_list=bucket_cap_mb_list)
+        plan = sync_plan(broadcast_buffers, init_sync, forward_sync_buffers)
+        process_group = group_or_mesh(process_group, device_mesh)
         if bucket_cap_mb is None:
             bucket_cap_mb = 25
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
@@ -161,7 +173,8 @@ class DistributedDataParallel(nn.Module):
         self.device_ids = None if device_ids is None else [device.index if device.type == "cuda" else device]
         self.output_device = output_device
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers = plan.forward_buffers      # torch 2.14: also forward_sync_buffers (below)
+        self.batched_grad_copy = batched_grad_copy         # torch_args.py: no effect here
         self.find_unused_parameters = find_unused_parameters
         gradient_as_bucket_view = defaults.gradient_as_bucket_view(gradient_as_bucket_view)
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -170,12 +183,14 @@ class DistributedDataParallel(nn.Module):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
 
-        self._check_same_model_on_all_ranks(named_params)
+        if plan.check_model:
+            self._check_same_model_on_all_ranks(named_params)
         self._module_buffers = [b for n, b in module.named_buffers() if n not in ignored]
-        # NOTE: the module's state (parameters and buffers) comes from rank 0, as in torch, but for what
-        # it ignores: each rank keeps its own.
-        synced = [p.detach() for n, p in module.named_parameters() if n not in ignored]
-        broadcast_from_rank0(group.backend, synced + self._module_buffers)
+        # NOTE: the module's state comes from rank 0, as in torch, but for what it ignores: each rank keeps
+        # its own; and as torch_args.sync_plan says (broadcast_buffers=False leaves the buffers rank-local
+        # from the start, e.g. BatchNorm statistics; init_sync=False syncs nothing).
+        synced = [p.detach() for n, p in module.named_parameters() if n not in ignored] if plan.init_params else []
+        broadcast_from_rank0(group.backend, synced + (self._module_buffers if plan.init_buffers else []))
         self._buffer_broadcast = None
         self._join = None                    # the active join() context (join.py), if any
         self.reducer = Reducer(named_params, group, self.bucket_bytes_cap, find_unused_parameters,
@@ -266,6 +281,15 @@ class DistributedDataParallel(nn.Module):
             self.require_forward_param_sync = False
             self.reducer.bucketer.disarm()
         return output
+
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """torch 2.14's name for broadcast_buffers: rank 0's buffers broadcast before each forward."""
+        return self.broadcast_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self.broadcast_buffers = value
 
     def _broadcast_buffers(self, src: int) -> None:
         if self._buffer_broadcast is None:

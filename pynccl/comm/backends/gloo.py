@@ -220,33 +220,31 @@ class GlooBackend(Backend):
         self._check("reduce_scatter_tensor", output, input)
         return self._reduce_scatter_flat("reduce_scatter_tensor", output, input.reshape(-1), op, async_op)
 
-    def _exchange(self, fn, sends, recvs, async_op):
-        """sends/recvs: lists indexed by peer of flat tensors (None to skip). Grouped p2p."""
-        def start():
-            ops = []
-            for peer in range(self.world_size):
-                if peer == self.rank:
-                    continue
-                if sends[peer] is not None and sends[peer].numel():
-                    ops.append(tdist.P2POp(tdist.isend, sends[peer], group=self.pg, group_peer=peer))
-                if recvs[peer] is not None and recvs[peer].numel():
-                    ops.append(tdist.P2POp(tdist.irecv, recvs[peer], group=self.pg, group_peer=peer))
-            if sends[self.rank] is not None and recvs[self.rank] is not None:
-                recvs[self.rank].copy_(sends[self.rank])
-            return tdist.batch_isend_irecv(ops) if ops else []
-        return self._run(fn, async_op, start, tensor=sends[self.rank])
+    def _exchange(self, fn, output, input, output_rows, input_rows, async_op, finish=None, tensor=None):
+        """gloo's all-to-all (alltoall_base, rows of dim 0 split as given), one torch work.
+        NOTE: not point-to-point sends: a gloo send work dropped unwaited cancels its send, so an async
+        all_to_all whose Work the caller let go (torch's own completes regardless) left its peers
+        waiting, and the next collective hung; p2p works have no get_future() either."""
+        return self._run(fn, async_op, lambda: tdist.all_to_all_single(
+            output, input, output_rows, input_rows, group=self.pg, async_op=True), finish,
+            tensor=input if tensor is None else tensor)
 
     def all_to_all(self, output_list, input_list, async_op=False):
         self._check("all_to_all", *output_list, *input_list)
-        return self._exchange("all_to_all", [t.reshape(-1) for t in input_list],
-                              [t.view(-1) for t in output_list], async_op)
+        # torch's gloo all_to_all takes equal sizes only (2.11's none): the tensors go packed, back to back
+        send = torch.cat([t.reshape(-1) for t in input_list])
+        recv = send.new_empty(sum(t.numel() for t in output_list))
+
+        def finish():
+            for t, piece in zip(output_list, recv.split([t.numel() for t in output_list])):
+                t.view(-1).copy_(piece)
+        return self._exchange("all_to_all", recv, send, [t.numel() for t in output_list],
+                              [t.numel() for t in input_list], async_op, finish, input_list[self.rank])
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, async_op=False):
         self._check("all_to_all_single", output, input)
-        n = self.world_size
-        in_rows = input_split_sizes or [input.shape[0] // n] * n
-        out_rows = output_split_sizes or [output.shape[0] // n] * n
-        return self._exchange("all_to_all_single", list(input.split(in_rows)), list(output.split(out_rows)), async_op)
+        return self._exchange("all_to_all_single", output, input, output_split_sizes or None,
+                              input_split_sizes or None, async_op)
 
     def gather(self, input, gather_list, root, async_op=False):
         self._check("gather", input, *(gather_list or []))
