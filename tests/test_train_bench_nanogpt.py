@@ -78,11 +78,11 @@ def test_real_train_py_every_wrapper_trains_alike(tmp_path):
                             "--json", str(out), "--loss-rtol", "1e-4", "--skip", "2"])
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == nanogpt_swap.VARIANTS and not any(r.get("error") for r in rows.values()), rows
-    # NOTE: a pynccl variant may abort at interpreter exit after its last iteration
-    # (nanogpt_swap.TEARDOWN_ABORT, rare): reported by the script, tolerated here, where the
-    # training is under test; any other failure is not.
+    # NOTE: a variant may abort at interpreter exit after its last iteration (nanogpt_swap.TEARDOWN_ABORT):
+    # reported by the script, tolerated here, where the training is under test; any other failure is not.
+    # torch DDP's own run does too, where pynccl is not imported (session 31: 1 run in 4 on one CPU VM).
     assert rc == 0 or all(r.get("exit_error") for r in rows.values() if r["rc"] != 0), rows
-    assert rows["torch-ddp"]["rc"] == 0
+    assert rows["torch-ddp"]["rc"] == 0 or rows["torch-ddp"].get("exit_error"), rows["torch-ddp"]
     ref = rows["torch-ddp"]["losses"]
     assert len(ref) == 13 and ref[-1] < ref[0] - 1.0, ref
     for variant, r in rows.items():
