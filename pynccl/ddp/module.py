@@ -183,13 +183,13 @@ class DistributedDataParallel(nn.Module):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
 
-        if plan.check_model:
+        if plan.init:
             self._check_same_model_on_all_ranks(named_params)
         self._module_buffers = [b for n, b in module.named_buffers() if n not in ignored]
         # NOTE: the module's state comes from rank 0, as in torch, but for what it ignores: each rank keeps
         # its own; and as torch_args.sync_plan says (broadcast_buffers=False leaves the buffers rank-local
         # from the start, e.g. BatchNorm statistics; init_sync=False syncs nothing).
-        synced = [p.detach() for n, p in module.named_parameters() if n not in ignored] if plan.init_params else []
+        synced = [p.detach() for n, p in module.named_parameters() if n not in ignored] if plan.init else []
         broadcast_from_rank0(group.backend, synced + (self._module_buffers if plan.init_buffers else []))
         self._buffer_broadcast = None
         self._join = None                    # the active join() context (join.py), if any

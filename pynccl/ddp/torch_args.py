@@ -21,8 +21,7 @@ from typing import Optional
 
 @dataclasses.dataclass(frozen=True)
 class SyncPlan:
-    check_model: bool       # the trainable parameters' names, shapes and dtypes compared across ranks
-    init_params: bool       # rank 0's parameters broadcast at construction
+    init: bool              # at construction: the model's shapes compared across ranks, rank 0's parameters broadcast
     init_buffers: bool      # rank 0's buffers broadcast at construction
     forward_buffers: bool   # rank 0's buffers broadcast before each forward (DDP.broadcast_buffers)
 
@@ -40,7 +39,7 @@ def sync_plan(broadcast_buffers: Optional[bool], init_sync: bool, forward_sync_b
         forward, init_buffers = forward_sync_buffers, True
     else:
         forward = init_buffers = True if broadcast_buffers is None else broadcast_buffers
-    return SyncPlan(init_sync, init_sync, init_sync and init_buffers, forward)
+    return SyncPlan(init_sync, init_sync and init_buffers, forward)
 
 
 def group_or_mesh(process_group, device_mesh):

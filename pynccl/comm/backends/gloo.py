@@ -233,13 +233,14 @@ class GlooBackend(Backend):
         self._check("all_to_all", *output_list, *input_list)
         # torch's gloo all_to_all takes equal sizes only (2.11's none): the tensors go packed, back to back
         send = torch.cat([t.reshape(-1) for t in input_list])
-        recv = send.new_empty(sum(t.numel() for t in output_list))
+        sizes = [t.numel() for t in output_list]
+        recv = send.new_empty(sum(sizes))
 
         def finish():
-            for t, piece in zip(output_list, recv.split([t.numel() for t in output_list])):
+            for t, piece in zip(output_list, recv.split(sizes)):
                 t.view(-1).copy_(piece)
-        return self._exchange("all_to_all", recv, send, [t.numel() for t in output_list],
-                              [t.numel() for t in input_list], async_op, finish, input_list[self.rank])
+        return self._exchange("all_to_all", recv, send, sizes, [t.numel() for t in input_list], async_op, finish,
+                              input_list[self.rank])
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, async_op=False):
         self._check("all_to_all_single", output, input)
