@@ -9,6 +9,8 @@ Divergences this file found (each test below failed on the code before its fix):
   unwaited cancelled its sends, so the next collective hung (torch's op completes regardless).
 * DistributedDataParallel(broadcast_buffers=False) still overwrote every rank's buffers with rank
   0's at construction; torch leaves them rank-local from the start (e.g. BatchNorm statistics).
+* an async all_gather's / gather's get_future() value (and result()) was [output_list], where torch's
+  is the output list itself.
 * DistributedDataParallel took process_group as its 6th positional argument, where torch has init_sync
   (and bucket_cap_mb 7th, find_unused_parameters 8th ...); init_sync, device_mesh, check_reduction and
   torch 2.14's forward_sync_buffers and batched_grad_copy were TypeErrors.
@@ -114,6 +116,15 @@ def _groups_and_works(d, rank, ws, tg, mesh):
     work = d.scatter(t, [torch.full((2,), i) for i in range(ws)] if rank == 1 else None, src=1, async_op=True)
     work.wait()
     out.append([work.is_completed(), t.tolist(), [x.tolist() for x in work.result()]])
+    # the gathers' futures hold the output list itself (pynccl's held [list]); gather's only on its dst
+    outs = [torch.zeros(2, dtype=torch.int64) for _ in range(ws)]
+    work = d.all_gather(outs, torch.full((2,), rank), async_op=True)
+    value = work.get_future().wait()
+    work.wait()                                   # torch's gloo completes the future before its Work
+    out.append([[x is o for x, o in zip(value, outs)], [x.tolist() for x in value], len(work.result())])
+    outs = [torch.zeros(2, dtype=torch.int64) for _ in range(ws)] if rank == 0 else None
+    value = d.gather(torch.full((2,), rank), outs, dst=0, async_op=True).get_future().wait()
+    out.append([x.tolist() for x in value])
     objs = [{"from": 1}, [1, 2]] if rank == 1 else [None, None]
     d.broadcast_object_list(objs, group_src=1, device=torch.device("cpu"))
     got = [None]

@@ -149,17 +149,12 @@ def _result_as_torch(rank, ws):
         outs = [torch.zeros(2), torch.zeros(2)]
         work = lib.all_gather(outs, t, async_op=True)
         work.wait()
-        assert [x.tolist() for x in _flatten(work.result())] == [[3.0, 3.0], [3.0, 3.0]]
+        assert [x.tolist() for x in work.result()] == [[3.0, 3.0], [3.0, 3.0]]
         work = lib.barrier(async_op=True)
         work.wait()
         assert work.result() == [] and _no_error(work)
     pynccl.barrier()
     return True
-
-
-def _flatten(value):
-    """pynccl's all_gather result is [outputs] (its get_future()'s value), torch's gloo the outputs."""
-    return [x for v in value for x in (v if isinstance(v, list) else [v])]
 
 
 def test_result_is_success_exception_as_torch():

@@ -25,9 +25,9 @@ WS = 2
 NEW_TOKENS = 8
 
 
-def prompt():
+def prompt(device="cpu"):
     """The same on every rank (generate issues one forward per token: every rank must make as many)."""
-    return torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
+    return torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7)).to(device)
 
 
 def greedy(model, x, use_cache):
@@ -47,9 +47,9 @@ def decode_logits(module, x):
     return torch.stack(logits, 1)
 
 
-def plain_with(model, kind):
+def plain_with(model, kind, device="cpu"):
     """The unwrapped model holding `model`'s current weights (full_state_dict: collective)."""
-    plain = make_model(kind)
+    plain = make_model(kind).to(device)
     plain.load_state_dict(model.full_state_dict())
     return plain
 
@@ -71,11 +71,11 @@ def all_placeholders(model):
                for m in model.module.modules() for n, _ in m.named_parameters(recurse=False))
 
 
-def check_generate(model, kind):
+def check_generate(model, kind, device="cpu"):
     """wrapped.generate and wrapped.module.generate against the unwrapped model with the same weights:
     token ids with and without the cache, a decode loop's logits over past_key_values, the logits of a
     plain forward after them (through the wrapper and through model.module)."""
-    plain, x = plain_with(model, kind), prompt()
+    plain, x = plain_with(model, kind, device), prompt(device)
     for use_cache in (True, False):
         expected = greedy(plain, x, use_cache)
         assert expected.shape == (2, 6 + NEW_TOKENS), expected.shape

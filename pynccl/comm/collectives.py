@@ -124,7 +124,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         return _skip("all_gather")
     g = resolve_group(group)
     _check_list_pair("all_gather", "tensor", tensor, "tensor_list", tensor_list, g.backend.world_size)
-    return _ret(g.backend.all_gather(list(tensor_list), tensor, async_op), [list(tensor_list)])
+    return _ret(g.backend.all_gather(list(tensor_list), tensor, async_op), list(tensor_list))   # torch: the list
 
 
 def _check_flat_pair(fn: str, output: torch.Tensor, input: torch.Tensor, n: int, output_is_whole: bool):
@@ -237,7 +237,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
         return None
     g, root = rooted
     gather_list = _rooted_list_args("gather", g, tensor, gather_list, root, "dst", "gather_list")
-    return _ret(g.backend.gather(tensor, gather_list, root, async_op), [gather_list or []])
+    return _ret(g.backend.gather(tensor, gather_list, root, async_op), list(gather_list or []))
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
