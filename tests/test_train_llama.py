@@ -9,6 +9,7 @@ tp2×pp2 run (stages gathered too) load with from_pretrained and hold the refere
 weights. One 4-process run trains every layout; the combinations pp refuses raise ValueError.
 """
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -104,6 +105,11 @@ def test_train_llama_one_process_prints_losses(capsys):
     """One process, no launcher: the default backend's device (on a GPU host with pynccl._C, CUDA)."""
     from pynccl.comm.backend_names import _default_backend
     device = "cuda" if _default_backend() == "nccl" else "cpu"
-    train_llama.main(["--steps", "2", "--log-every", "1"])
+    saved = dict(os.environ)
+    try:
+        train_llama.main(["--steps", "2", "--log-every", "1"])
+    finally:        # a plain run sets RANK, WORLD_SIZE, ... as a world of one (examples/launch.py): not for later tests
+        os.environ.clear()
+        os.environ.update(saved)
     out = capsys.readouterr().out
     assert f"dp1·tp1 on 1 {device} process(es), no data parallelism" in out and "step    1  loss" in out, out

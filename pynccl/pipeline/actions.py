@@ -256,15 +256,21 @@ def sync_points(kind: ScheduleKind, pp_rank: int, pp_size: int, n_microbatches: 
     return sync
 
 
-def build_programs(kind: ScheduleKind, pp_size: int, n_microbatches: int,
-                   stages_per_rank: int = 1) -> Dict[int, List[Instruction]]:
-    """Every pp rank's program (what the executor runs on that rank)."""
+def build_program(kind: ScheduleKind, pp_rank: int, pp_size: int, n_microbatches: int, stages_per_rank: int = 1,
+                  forward_only: bool = False) -> List[Instruction]:
+    """What the executor runs on pp rank pp_rank. forward_only (eval(), or no loss_fn): the same
+    forwards in the same order, no backwards, a batch after every forward."""
     layout = PipelineLayout(pp_size, stages_per_rank)
-    programs = {}
-    for r in range(pp_size):
-        order = compute_order(kind, r, pp_size, n_microbatches, stages_per_rank)
-        programs[r] = lower(order, layout, sync_points(kind, r, pp_size, n_microbatches, stages_per_rank))
-    return programs
+    order = compute_order(kind, pp_rank, pp_size, n_microbatches, stages_per_rank)
+    if forward_only:
+        return lower([a for a in order if a.type is ActionType.FORWARD], layout)
+    return lower(order, layout, sync_points(kind, pp_rank, pp_size, n_microbatches, stages_per_rank))
+
+
+def build_programs(kind: ScheduleKind, pp_size: int, n_microbatches: int, stages_per_rank: int = 1,
+                   forward_only: bool = False) -> Dict[int, List[Instruction]]:
+    """Every pp rank's program (what the executor runs on that rank)."""
+    return {r: build_program(kind, r, pp_size, n_microbatches, stages_per_rank, forward_only) for r in range(pp_size)}
 
 
 def format_program(program: List[Instruction]) -> str:

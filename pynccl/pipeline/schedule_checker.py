@@ -122,9 +122,10 @@ def simulate(programs: Dict[int, List[Instruction]], layout: PipelineLayout,
 
 
 def check(kind: ScheduleKind, pp_size: int, n_microbatches: int, stages_per_rank: int = 1,
-          forward_cost: float = 1.0, backward_cost: float = 2.0) -> SimResult:
-    """Generate every rank's program for this schedule and simulate it (raises ScheduleError)."""
-    programs = build_programs(kind, pp_size, n_microbatches, stages_per_rank)
+          forward_cost: float = 1.0, backward_cost: float = 2.0, forward_only: bool = False) -> SimResult:
+    """Generate every rank's program for this schedule (its eval()'s with forward_only) and simulate
+    it (raises ScheduleError)."""
+    programs = build_programs(kind, pp_size, n_microbatches, stages_per_rank, forward_only)
     return simulate(programs, PipelineLayout(pp_size, stages_per_rank), forward_cost, backward_cost)
 
 

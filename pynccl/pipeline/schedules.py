@@ -12,8 +12,9 @@ import contextlib
 from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .actions import Action, ActionType, Instruction, PipelineLayout, ScheduleKind, compute_order, lower, sync_points
+from .actions import Action, ActionType, Instruction, PipelineLayout, ScheduleKind, build_program, compute_order
 from .p2p import PipeTransport, tensor_meta
 from .stage import PipelineStage
 
@@ -21,17 +22,29 @@ A = ActionType
 
 
 def split_microbatches(what: str, values: Sequence, n: int) -> List[list]:
-    """Chunk each tensor along dim 0 into n equal micro-batches; other values are replicated."""
+    """Chunk each tensor along dim 0 into n equal micro-batches, tensors inside tuples, lists and
+    dicts too (torch.distributed.pipelining's default chunk spec); other values are replicated."""
+    leaves, spec = tree_flatten(list(values))
     chunks = []
-    for i, v in enumerate(values):
+    for v in leaves:
         if isinstance(v, torch.Tensor):
             if v.dim() == 0 or v.shape[0] % n:
-                raise ValueError(f"pipeline step: {what}[{i}] has shape {tuple(v.shape)}; its batch dimension "
+                raise ValueError(f"pipeline step: a tensor of {what} has shape {tuple(v.shape)}; its batch dimension "
                                  f"(dim 0) must divide evenly into n_microbatches={n}")
             chunks.append(list(v.chunk(n)))
         else:
             chunks.append([v] * n)
-    return [[c[j] for c in chunks] for j in range(n)]
+    return [tree_unflatten([c[j] for c in chunks], spec) for j in range(n)]
+
+
+def _default_specs_only(cls, args_chunk_spec, kwargs_chunk_spec, output_merge_spec) -> None:
+    """The schedules take torch.distributed.pipelining's arguments in its order, so a call written for
+    torch means the same here; of its chunk specs only the default (None) is supported."""
+    given = [name for name, v in (("args_chunk_spec", args_chunk_spec), ("kwargs_chunk_spec", kwargs_chunk_spec),
+                                  ("output_merge_spec", output_merge_spec)) if v is not None]
+    if given:
+        raise ValueError(f"{cls.__name__}: {', '.join(given)} not supported: inputs and target are split along dim "
+                         f"0 and the last stage's outputs concatenated along dim 0 (torch's default, None)")
 
 
 class _PipelineSchedule:
@@ -41,12 +54,13 @@ class _PipelineSchedule:
     neighbours then (p2p.PipeTransport), so every rank of the group must build its schedule."""
     kind: ScheduleKind
 
-    def __init__(self, stages: List[PipelineStage], n_microbatches: int, loss_fn: Callable, scale_grads: bool):
+    def __init__(self, stages: List[PipelineStage], n_microbatches: int, loss_fn: Optional[Callable],
+                 scale_grads: bool):
         if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
             raise ValueError(f"{type(self).__name__}: n_microbatches must be a positive int, got {n_microbatches!r}")
-        if not callable(loss_fn):
-            raise TypeError(f"{type(self).__name__}: loss_fn must be callable (output, target) -> loss, "
-                            f"got {type(loss_fn).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"{type(self).__name__}: loss_fn must be callable (output, target) -> loss, or None "
+                            f"(forward only), got {type(loss_fn).__name__}")
         for s in stages:
             if not isinstance(s, PipelineStage):
                 raise TypeError(f"{type(self).__name__}: expected PipelineStage, got {type(s).__name__}")
@@ -66,14 +80,17 @@ class _PipelineSchedule:
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self.scale_grads = bool(scale_grads)
+        # As torch.distributed.pipelining: without a loss_fn, step() runs forwards only (as eval()).
+        self._has_backward = loss_fn is not None
         self.layout = layout
         self.pp_rank = pp_rank
         self._stages: Dict[int, PipelineStage] = {s.stage_index: s for s in stages}
         self._transport = PipeTransport(group, stages[0].device)
         order = compute_order(self.kind, pp_rank, pp_size, n_microbatches, v)
-        # Single source of truth: the program the checker simulates.
-        sync = sync_points(self.kind, pp_rank, pp_size, n_microbatches, v)
-        self.program: List[Instruction] = lower(order, layout, sync)
+        # Single source of truth: the programs the checker simulates (the second for eval() and loss_fn=None).
+        self.program: List[Instruction] = build_program(self.kind, pp_rank, pp_size, n_microbatches, v)
+        self.forward_program: List[Instruction] = build_program(self.kind, pp_rank, pp_size, n_microbatches, v,
+                                                                forward_only=True)
         self._last_backward = {}
         for a in order:
             if a.type is A.BACKWARD:
@@ -83,6 +100,8 @@ class _PipelineSchedule:
         # forward/backward (benchmarks/pp_bench.py times compute with it; None costs nothing).
         self.compute_timer: Optional[Callable[[Action], ContextManager]] = None
         self._loss_for_backward: Dict[int, torch.Tensor] = {}
+        self._kwarg_mbs: List[dict] = []                # this step's keyword inputs, per micro-batch
+        self._loss_kwargs: dict = {}
         self._broken: Optional[BaseException] = None
 
     @property
@@ -90,46 +109,84 @@ class _PipelineSchedule:
         return [self._stages[k] for k in sorted(self._stages)]
 
     # --- step ------------------------------------------------------------------------------
-    def step(self, *inputs, target=None, losses: Optional[list] = None):
+    def step(self, *inputs, target=None, losses: Optional[list] = None, return_outputs: bool = True,
+             loss_kwargs: Optional[dict] = None, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
         """One training step over n_microbatches micro-batches. Inputs are needed on the rank of
-        the first stage, target on the last (ignored elsewhere). Appends each micro-batch's
-        (unscaled) loss to `losses`; returns the merged output on the last stage, else None."""
+        the first stage, target on the last (ignored elsewhere); keyword inputs, split as inputs are,
+        go to every stage of the rank they are given on, loss_kwargs to loss_fn. On the last stage's
+        rank, `losses` is cleared and filled with each micro-batch's (unscaled) loss, and step()
+        returns the merged output in the structure the module returns (tensor, tuple or list) unless
+        return_outputs=False; else None. With scale_grads, each stage parameter's .grad is divided by
+        n_microbatches after the step's backwards (all of it, including what earlier steps left), as
+        torch.distributed.pipelining. Without a loss_fn it runs the forwards only, as eval(); with
+        one, not under torch.no_grad(). torch's pre-split arg_mbs / kwarg_mbs / target_mbs raise
+        ValueError."""
+        if self._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError("pipeline step: step() runs backward and needs gradients enabled, not torch.no_grad(); "
+                               "call eval() for forwards only (as torch.distributed.pipelining)")
+        pre_split = [n for n, v in (("arg_mbs", arg_mbs), ("kwarg_mbs", kwarg_mbs), ("target_mbs", target_mbs))
+                     if v is not None]
+        if pre_split:
+            raise ValueError(f"pipeline step: pre-split micro-batches ({', '.join(pre_split)}) are not supported; "
+                             f"pass the whole batch (inputs, keyword inputs, target=): step() splits it along dim 0")
         if self._broken is not None:
             raise RuntimeError(f"{type(self).__name__}: a previous step failed ({self._broken!r}); the pipeline "
                                f"ranks may be out of step, build a new schedule and process group") from self._broken
         m = self.n_microbatches
         first, last = self._stages.get(0), self._stages.get(self.layout.num_stages - 1)
-        input_mbs = target_mbs = None
+        input_chunks = target_chunks = None
         if first is not None:
-            if not inputs:
+            if not inputs and not kwargs:
                 raise ValueError("pipeline step: this rank holds the first stage, so step() needs its inputs")
-            input_mbs = split_microbatches("inputs", inputs, m)
-        if last is not None:
+            input_chunks = split_microbatches("inputs", inputs, m)
+        if kwargs and any(s.graphs is not None for s in self._stages.values()):
+            raise ValueError("pipeline step: keyword inputs are not supported with cuda_graph=True stages")
+        names = list(kwargs)
+        self._kwarg_mbs = [dict(zip(names, mb)) for mb in split_microbatches("kwargs", list(kwargs.values()), m)]
+        self._loss_kwargs = dict(loss_kwargs or {})
+        if last is not None and self.loss_fn is not None:
             if target is None:
                 raise ValueError("pipeline step: this rank holds the last stage, so step() needs target=")
-            target_mbs = [t[0] for t in split_microbatches("target", [target], m)]
+            target_chunks = [t[0] for t in split_microbatches("target", [target], m)]
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"pipeline step: losses must be a list (or None), got {type(losses).__name__}")
         for s in self._stages.values():
             s._reset_step()
         self._loss_for_backward.clear()
         try:
-            self._run(input_mbs, target_mbs)
+            self._run(input_chunks, target_chunks, self.program if self._has_backward else self.forward_program)
+            for s in self._stages.values():
+                if not self._has_backward:
+                    s._drop_activations()
+                elif self.scale_grads:
+                    s.scale_grads(m)
         except BaseException as e:
             self._broken = e
             raise
         if last is None:
             return None
         if losses is not None:
-            losses.extend(last.losses[j] for j in range(m))
+            if self.loss_fn is None:   # torch raises here too, after the step (every rank ran it)
+                raise RuntimeError(f"pipeline step: losses= needs a loss_fn; this {type(self).__name__} has none")
+            losses[:] = [last.losses[j] for j in range(m)]
+        if not return_outputs:
+            return None
         outs = [last.outputs[j] for j in range(m)]
-        merged = tuple(torch.cat([o[i] for o in outs]) for i in range(len(outs[0])))
-        return merged[0] if len(merged) == 1 else merged
+        return last.as_returned([torch.cat([o[i] for o in outs]) for i in range(len(outs[0]))])
 
-    def _run(self, input_mbs, target_mbs):
+    def eval(self, *inputs, target=None, losses: Optional[list] = None, **kwargs):
+        """step() without backward (torch.distributed.pipelining's eval): the forwards of every
+        micro-batch, losses if this schedule has a loss_fn, no gradients; returns as step()."""
+        has_backward, self._has_backward = self._has_backward, False
+        try:
+            return self.step(*inputs, target=target, losses=losses, **kwargs)
+        finally:
+            self._has_backward = has_backward
+
+    def _run(self, input_mbs, target_mbs, program: List[Instruction]):
         pending_sends = []
         live = peak = 0
-        for instr in self.program:
+        for instr in program:
             a = instr[0]
             if a.type.is_compute:
                 with self.compute_timer(a) if self.compute_timer is not None else contextlib.nullcontext():
@@ -159,16 +216,17 @@ class _PipelineSchedule:
             args = stage.local_inputs_from(self._stages[a.stage - 1], j)
         else:
             args = stage.received_inputs(j)
-        out = stage.forward_one_chunk(j, args)
-        if stage.is_last:
-            loss = self.loss_fn(out[0] if len(out) == 1 else out, target_mbs[j])
+        out = stage.forward_one_chunk(j, args, self._kwarg_mbs[j])
+        if stage.is_last and self.loss_fn is not None:
+            loss = self.loss_fn(stage.as_returned(out), target_mbs[j], **self._loss_kwargs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(f"pipeline: loss_fn must return a scalar tensor, got "
                                  f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
             stage.losses[j] = loss.detach()
-            # Loss divided, as torch.distributed.pipelining: with a mean-reduced loss, the
-            # gradients accumulated over micro-batches equal the whole batch's.
-            self._loss_for_backward[j] = loss / self.n_microbatches if self.scale_grads else loss
+            # Unscaled, as torch.distributed.pipelining: step() divides the accumulated .grad by
+            # n_microbatches afterwards (scale_grads), so a mean-reduced loss gives the whole batch's.
+            if self._has_backward:
+                self._loss_for_backward[j] = loss
 
     def _backward(self, a: Action):
         stage = self._stages[a.stage]
@@ -218,7 +276,9 @@ class ScheduleGPipe(_PipelineSchedule):
     """All forwards, then all backwards (arXiv:1811.06965); holds m micro-batches' activations."""
     kind = ScheduleKind.GPIPE
 
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable, scale_grads: bool = True):
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Optional[Callable] = None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True):
+        _default_specs_only(type(self), args_chunk_spec, kwargs_chunk_spec, output_merge_spec)
         super().__init__([stage], n_microbatches, loss_fn, scale_grads)
 
 
@@ -226,7 +286,9 @@ class Schedule1F1B(_PipelineSchedule):
     """One forward one backward after a warm-up (arXiv:2006.09503); holds ≤ p micro-batches."""
     kind = ScheduleKind.ONE_F_ONE_B
 
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable, scale_grads: bool = True):
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Optional[Callable] = None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True):
+        _default_specs_only(type(self), args_chunk_spec, kwargs_chunk_spec, output_merge_spec)
         super().__init__([stage], n_microbatches, loss_fn, scale_grads)
 
 
@@ -235,7 +297,9 @@ class ScheduleInterleaved1F1B(_PipelineSchedule):
     (arXiv:2104.04473): bubble (p - 1)/(v·m + p - 1). n_microbatches must be a multiple of p."""
     kind = ScheduleKind.INTERLEAVED_1F1B
 
-    def __init__(self, stages: List[PipelineStage], n_microbatches: int, loss_fn: Callable, scale_grads: bool = True):
+    def __init__(self, stages: List[PipelineStage], n_microbatches: int, loss_fn: Optional[Callable] = None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True):
+        _default_specs_only(type(self), args_chunk_spec, kwargs_chunk_spec, output_merge_spec)
         if not isinstance(stages, (list, tuple)) or not stages:
             raise TypeError(f"ScheduleInterleaved1F1B: stages must be a non-empty list of PipelineStage, "
                             f"got {type(stages).__name__}")

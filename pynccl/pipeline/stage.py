@@ -104,6 +104,7 @@ class PipelineStage:
         self.outputs_meta_sent: Optional[List[TensorMeta]] = None
         self.num_live_activations = 0
         self.peak_live_activations = 0
+        self._returned = None            # the module output's container: None (a tensor), tuple or list
         self._reset_step()
 
     def _make_graphs(self, cuda_graph: bool):
@@ -137,12 +138,16 @@ class PipelineStage:
             self.graphs.reset()
 
     # --- forward -------------------------------------------------------------------------
-    def forward_one_chunk(self, mb: int, args: Sequence) -> tuple:
+    def forward_one_chunk(self, mb: int, args: Sequence, kwargs: Optional[dict] = None) -> tuple:
         if self.graphs is not None:
             out = self.graphs(mb, args)
+            self._returned = None if len(out) == 1 else tuple   # a graph keeps no container
         else:
             with _no_sync(self.submodule):
-                out = as_tensor_tuple(self.submodule(*args))
+                returned = self.submodule(*args, **(kwargs or {}))
+            out = as_tensor_tuple(returned)
+            self._returned = None if isinstance(returned, torch.Tensor) else \
+                tuple if isinstance(returned, tuple) else list
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
         self._fwd_cache[mb] = (inputs, out)
         if self.is_last:
@@ -151,6 +156,12 @@ class PipelineStage:
         self.num_live_activations += 1
         self.peak_live_activations = max(self.peak_live_activations, self.num_live_activations)
         return out
+
+    def as_returned(self, tensors: Sequence[torch.Tensor]):
+        """Output tensors (one micro-batch's, or merged) in the structure the module returned them:
+        a bare tensor, or a tuple or list, as torch.distributed.pipelining hands them to loss_fn and
+        returns them from step() (a module returning a 1-tuple gets a 1-tuple)."""
+        return tensors[0] if self._returned is None else self._returned(tensors)
 
     def outputs_of(self, mb: int) -> tuple:
         return self._fwd_cache[mb][1]
@@ -218,6 +229,20 @@ class PipelineStage:
         if self.graphs is not None:
             self.graphs.release(mb)
         self.num_live_activations -= 1
+
+    def _drop_activations(self) -> None:
+        """After forwards without backwards (eval()): free what the backwards would have."""
+        self._fwd_cache.clear()
+        self.num_live_activations = 0
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """Divide the .grad of every parameter of the stage module by grad_scale_factor, as torch's
+        PipelineStage.scale_grads: the schedules call it after a step's last backward with
+        n_microbatches (scale_grads=True), so gradients left from earlier steps are divided too."""
+        if grad_scale_factor != 1:
+            for p in self.submodule.parameters():
+                if p.grad is not None:
+                    p.grad.div_(grad_scale_factor)
 
     def input_grads_to_send(self, mb: int) -> List[torch.Tensor]:
         """What SEND_B sends, or what the previous stage on this rank takes as its output grads."""

@@ -34,6 +34,11 @@ class PrepareModuleInput(ParallelStyle):
     sum the input's gradient here, once, for the ColwiseParallel layers reading it (see the
     module docstring for what that requires). Replicate() -> Shard(d): keep this rank's slice
     of dim d (entering a sequence-parallel region); its grad is all-gathered.
+
+    use_local_output=True (torch's: the module gets plain tensors, not DTensors): nothing is summed
+    here, as under torch; each ColwiseParallel reader sums its own input gradient (one collective
+    each), so any op may read the input. Shard(d) -> Replicate() then keeps this rank's slice of
+    the gradient in backward.
     """
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
@@ -45,6 +50,7 @@ class PrepareModuleInput(ParallelStyle):
                 raise ValueError(f"PrepareModuleInput: {what} layouts {src} and desired {dst} differ in length")
             return [(layout_of(s, what, True), layout_of(d, what, True)) for s, d in zip(src, dst)]
 
+        self.local = use_local_output
         self.arg_layouts = pairs(input_layouts, desired_input_layouts, "input")
         src_kw, dst_kw = dict(input_kwarg_layouts or {}), dict(desired_input_kwarg_layouts or {})
         if src_kw.keys() != dst_kw.keys():
@@ -72,6 +78,16 @@ class PrepareModuleInput(ParallelStyle):
         chunked = []                 # set by the hook for the forward that follows: (k, where the input is)
 
         def hook(mod, args, kwargs):
+            if any(src is not None for src, _ in self.arg_layouts[len(args):]):
+                raise ValueError(f"{name or 'the root module'}: PrepareModuleInput's input_layouts cover "
+                                 f"{len(self.arg_layouts)} positional inputs, the call passed {len(args)} (torch "
+                                 f"refuses this too); pass them positionally or use input_kwarg_layouts")
+            if self.local:           # plain tensors, their gradient summed by each reader (torch's)
+                args = tuple(_relayout(a, *self.arg_layouts[i], group, sums_grad=False)
+                             if i < len(self.arg_layouts) else a for i, a in enumerate(args))
+                kwargs = {k: _relayout(v, *self.kwarg_layouts[k], group, sums_grad=False)
+                          if k in self.kwarg_layouts else v for k, v in kwargs.items()}
+                return args, kwargs
             # NOTE: `chunked` is left alone while traced (a list mutated in a compiled region is a side
             # effect dynamo replays and guards on).
             if not torch.compiler.is_compiling():
@@ -150,11 +166,12 @@ def _colwise_readers(module: nn.Module) -> list:
             and (isinstance(m, nn.Linear) or is_conv1d(m))]
 
 
-def _relayout(x, src, dst, group, readers=(), gemm_readers=()):
+def _relayout(x, src, dst, group, readers=(), gemm_readers=(), sums_grad: bool = True):
     """readers: grad_overlap's (eager, opt-in); gemm_readers: async TP's (async_tp.enabled), whose
     outputs are computed here, beside the all-gather of a sequence shard (async_tp.py), or, for a
     replicated x, in one node whose backward overlaps x's gradient all-reduce with their weight
-    GEMMs (async_tp_allreduce.py)."""
+    GEMMs (async_tp_allreduce.py). sums_grad=False (use_local_output=True): a whole x's gradient is
+    left to its readers (an identity, or a gather whose backward keeps this rank's slice)."""
     if src is None or dst is None or not isinstance(x, torch.Tensor) or dist.get_world_size(group) == 1:
         return x
     if dst.is_replicate():
@@ -162,6 +179,9 @@ def _relayout(x, src, dst, group, readers=(), gemm_readers=()):
             raise ValueError(f"PrepareModuleInput: {src} -> Replicate() is supported along the sequence, "
                              f"not the last dim, of an input of shape {tuple(x.shape)}")
         seq_dim = None if src.is_replicate() else src.dim % x.dim()
+        if not sums_grad:
+            return x if seq_dim is None else gather_from_sequence_parallel_region(x, group, grad_is_partial=False,
+                                                                                  seq_dim=seq_dim)
         whole = grad_overlap.start(x, group, readers, seq_dim) if readers else None
         # NOTE: only readers whose input width is x's: a ColwiseParallel fed by another layer of the
         # block (a low-rank pair) cannot be computed from x.
@@ -195,9 +215,15 @@ class PrepareModuleOutput(ParallelStyle):
     (its consumers, e.g. a ColwiseParallel with Replicate() input, sum their own), so backward
     keeps this rank's slice. Use it where the model reshapes a sequence-sharded output on the
     way out (GPT-2 views its final hidden states to the input's sequence length).
-    Replicate() -> Shard(d): keep this rank's slice; backward all-gathers."""
+    Replicate() -> Shard(d): keep this rank's slice; backward all-gathers. Shard(d) -> Shard(e),
+    e another dim (torch: an all-to-all), raises ValueError. use_local_output: True only (torch's
+    False returns a DTensor), False raises ValueError."""
 
     def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
+        if not use_local_output:
+            raise ValueError("PrepareModuleOutput(use_local_output=False): torch returns DTensors (of the global "
+                             "shape) there; pynccl has no DTensor and returns local tensors, so use_local_output "
+                             "must be True")
         src = output_layouts if isinstance(output_layouts, (tuple, list)) else (output_layouts,)
         dst = desired_output_layouts if isinstance(desired_output_layouts, (tuple, list)) else (desired_output_layouts,)
         if len(src) != len(dst):
@@ -212,6 +238,9 @@ class PrepareModuleOutput(ParallelStyle):
             if src is None or dst is None or not isinstance(x, torch.Tensor):
                 return x
             if src.is_replicate() == dst.is_replicate():
+                if src.is_shard() and src.dim % x.dim() != dst.dim % x.dim():
+                    raise ValueError(f"PrepareModuleOutput: {src} -> {dst} is not supported (only to or from "
+                                     f"Replicate(), along the sequence)")
                 return x
             if dst.is_replicate() and is_sequence_dim(src, x.dim()):
                 return gather_from_sequence_parallel_region(x, group, grad_is_partial=False, seq_dim=src.dim)

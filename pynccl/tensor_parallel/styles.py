@@ -17,8 +17,10 @@ import torch.nn.functional as F
 
 from ..comm import distributed as dist
 from . import async_tp, async_tp_allreduce, grad_overlap
-from .comm import allreduce_grads_in_backward, gather_from_tensor_parallel_region
-from .plan import ParallelStyle, Replicate, Shard, grad_reduced_upstream, install_shards, layout_of, set_forward
+from .comm import (allreduce_grads_in_backward, gather_from_sequence_parallel_region,
+                   gather_from_tensor_parallel_region, scatter_to_tensor_parallel_region)
+from .plan import (ParallelStyle, Replicate, Shard, grad_reduced_upstream, install_shards, is_sequence_dim, layout_of,
+                   set_forward)
 from .sharded_ops import column_parallel_linear, row_parallel_linear, vocab_parallel_embedding
 from .sharding import check_divisible, column_shards, is_conv1d, row_shards
 
@@ -30,12 +32,14 @@ class ColwiseParallel(ParallelStyle):
     weight-grad GEMM, unless a PrepareModuleInput sums it upstream) or Shard(seq_dim) (all-gathered
     here; its grad reduce-scattered). output_layouts: Shard(-1) (default, this rank's features)
     or Replicate() (all-gathered). num_fused: the output holds that many equal blocks, each
-    split on its own (GPT-2's fused q|k|v). use_local_output is accepted for torch's signature;
-    outputs are always plain tensors.
+    split on its own (GPT-2's fused q|k|v). nn.Embedding: Shard(d) token ids are all-gathered
+    along d first, as torch's. use_local_output: True only (torch's False returns a DTensor of the
+    global shape; pynccl's outputs are plain local tensors), False raises ValueError.
     """
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
                  num_fused: int = 1):
+        _local_output_only("ColwiseParallel", use_local_output)
         self.input_layout = layout_of(input_layouts or Replicate(), "ColwiseParallel input_layouts")
         self.output_layout = layout_of(output_layouts or Shard(-1), "ColwiseParallel output_layouts")
         if self.output_layout.is_shard() and self.output_layout.dim != -1:
@@ -68,6 +72,7 @@ class ColwiseParallel(ParallelStyle):
 
         def forward(mod, x):
             if isinstance(mod, nn.Embedding):
+                x = _whole_token_ids(x, style.input_layout, group)
                 y = F.embedding(x, mod.weight, mod.padding_idx, mod.max_norm, mod.norm_type, mod.scale_grad_by_freq,
                                 mod.sparse)  # (b, s) -> (b, s, h/tp)
                 return gather_from_tensor_parallel_region(y, group) if gather_output else y
@@ -96,11 +101,16 @@ class RowwiseParallel(ParallelStyle):
     """nn.Linear / Conv1D with the input features split; the partial outputs are summed
     (output_layouts Replicate(): all-reduce, default; Shard(seq_dim): reduce-scatter along the
     sequence) and the bias added once, after the sum. input_layouts: Shard(-1) (default, the
-    output of a ColwiseParallel layer) or Replicate() (sliced here).
+    output of a ColwiseParallel layer) or Replicate() (sliced here); a Shard of another dim raises
+    ValueError (torch re-lays it to the features with an all-to-all). output_layouts Shard(-1):
+    the sum reduce-scattered over the features, this rank's slice of the bias added.
     nn.Embedding: the vocabulary is split (rows); each rank looks up its own token ids and the
-    sum over ranks is the lookup (input_layouts Replicate(): the token ids)."""
+    sum over ranks is the lookup (input_layouts Replicate() or None: the token ids; Shard(d),
+    torch's default Shard(-1) among them: all-gathered along d first, as torch's).
+    use_local_output: True only, as ColwiseParallel's."""
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
+        _local_output_only("RowwiseParallel", use_local_output)
         self.input_layout = layout_of(input_layouts, "RowwiseParallel input_layouts", allow_none=True)
         self.output_layout = layout_of(output_layouts or Replicate(), "RowwiseParallel output_layouts")
 
@@ -122,7 +132,7 @@ class RowwiseParallel(ParallelStyle):
                              f"got {type(module).__name__}")
 
     def apply(self, module, name, group, sharded):
-        conv1d = is_conv1d(module)
+        conv1d, style = is_conv1d(module), self
         install_shards(module, row_shards(module, group, sharded))  # the bias stays whole
         # The sum over ranks: an all-reduce (Replicate()), or a reduce-scatter to Shard(seq_dim).
         sequence_parallel = self.output_layout.is_shard()
@@ -133,18 +143,47 @@ class RowwiseParallel(ParallelStyle):
             start = dist.get_rank(group) * (module.num_embeddings // dist.get_world_size(group))
 
             def forward(mod, tokens):  # (b, s) -> (b, s, h), or (b, s/tp, h)
+                tokens = _whole_token_ids(tokens, style.input_layout, group)
                 return vocab_parallel_embedding(tokens, mod.weight, start, group, mod.padding_idx, sequence_parallel,
                                                 seq_dim)
         else:
             input_is_parallel = self.input_layout is None or not self.input_layout.is_replicate()
 
             def forward(mod, x):  # (.., in/tp), or (.., in) sliced here -> (.., out), or (b, s/tp, out)
-                return row_parallel_linear(x, mod.weight.t() if conv1d else mod.weight, getattr(mod, "bias", None),
-                                           group, input_is_parallel, sequence_parallel, seq_dim, overlap_gemm,
-                                           slices)
+                weight, bias = mod.weight.t() if conv1d else mod.weight, getattr(mod, "bias", None)
+                if style.input_layout is not None and is_sequence_dim(style.input_layout, x.dim()):
+                    raise ValueError(f"RowwiseParallel(input_layouts={style.input_layout}) on an input of shape "
+                                     f"{tuple(x.shape)}: the input must be Shard(-1) (this rank's features) or "
+                                     f"Replicate(); torch re-lays another dim's shard with an all-to-all, "
+                                     f"pynccl does not")
+                parallel = input_is_parallel
+                if not parallel and grad_reduced_upstream(x, group):
+                    # made Replicate() by a PrepareModuleInput, which sums x's gradient: this rank's slice by a
+                    # narrow, whose gradient is zero outside the slice, so that sum makes it whole once
+                    width = x.shape[-1] // dist.get_world_size(group)
+                    x, parallel = x.narrow(-1, dist.get_rank(group) * width, width), True
+                if sequence_parallel and not is_sequence_dim(style.output_layout, x.dim()):
+                    # Shard(-1): the features reduce-scattered, this rank's slice of the bias (its grad all-gathered)
+                    y = row_parallel_linear(x, weight, None, group, parallel, True, -1)
+                    return y if bias is None else y + scatter_to_tensor_parallel_region(bias, group)
+                return row_parallel_linear(x, weight, bias, group, parallel, sequence_parallel, seq_dim,
+                                           overlap_gemm, slices)
 
         set_forward(module, self, forward)
 
+
+def _local_output_only(name: str, use_local_output: bool) -> None:
+    if not use_local_output:
+        raise ValueError(f"{name}(use_local_output=False): torch returns a DTensor (of the global shape) there; "
+                         f"pynccl has no DTensor and returns the local tensor, so use_local_output must be True")
+
+
+def _whole_token_ids(tokens, layout, group):
+    """An embedding's token ids made whole: Shard(d) ids all-gathered along d (torch's annotation then
+    redistribution to Replicate()); Replicate() or None: as they are."""
+    if layout is None or layout.is_replicate():
+        return tokens
+    return gather_from_sequence_parallel_region(tokens, group, grad_is_partial=False, seq_dim=layout.dim)
 
 
 def _swap_in(places, tensors):
