@@ -23,7 +23,7 @@ from .comm import (copy_to_tensor_parallel_region, gather_from_sequence_parallel
                    scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
 from .plan import GRAD_REDUCED_BY, STYLE_ATTR, ParallelStyle, is_sequence_dim, layout_of
 from .sharding import is_conv1d
-from .styles import ColwiseParallel
+from .styles import ColwiseParallel, local_output_only
 
 
 class PrepareModuleInput(ParallelStyle):
@@ -220,10 +220,7 @@ class PrepareModuleOutput(ParallelStyle):
     False returns a DTensor), False raises ValueError."""
 
     def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
-        if not use_local_output:
-            raise ValueError("PrepareModuleOutput(use_local_output=False): torch returns DTensors (of the global "
-                             "shape) there; pynccl has no DTensor and returns local tensors, so use_local_output "
-                             "must be True")
+        local_output_only("PrepareModuleOutput", use_local_output)
         src = output_layouts if isinstance(output_layouts, (tuple, list)) else (output_layouts,)
         dst = desired_output_layouts if isinstance(desired_output_layouts, (tuple, list)) else (desired_output_layouts,)
         if len(src) != len(dst):

@@ -39,7 +39,7 @@ class ColwiseParallel(ParallelStyle):
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True,
                  num_fused: int = 1):
-        _local_output_only("ColwiseParallel", use_local_output)
+        local_output_only("ColwiseParallel", use_local_output)
         self.input_layout = layout_of(input_layouts or Replicate(), "ColwiseParallel input_layouts")
         self.output_layout = layout_of(output_layouts or Shard(-1), "ColwiseParallel output_layouts")
         if self.output_layout.is_shard() and self.output_layout.dim != -1:
@@ -110,7 +110,7 @@ class RowwiseParallel(ParallelStyle):
     use_local_output: True only, as ColwiseParallel's."""
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
-        _local_output_only("RowwiseParallel", use_local_output)
+        local_output_only("RowwiseParallel", use_local_output)
         self.input_layout = layout_of(input_layouts, "RowwiseParallel input_layouts", allow_none=True)
         self.output_layout = layout_of(output_layouts or Replicate(), "RowwiseParallel output_layouts")
 
@@ -172,7 +172,8 @@ class RowwiseParallel(ParallelStyle):
         set_forward(module, self, forward)
 
 
-def _local_output_only(name: str, use_local_output: bool) -> None:
+def local_output_only(name: str, use_local_output: bool) -> None:
+    """torch's use_local_output=False returns DTensors; pynccl has none: refused, naming the argument."""
     if not use_local_output:
         raise ValueError(f"{name}(use_local_output=False): torch returns a DTensor (of the global shape) there; "
                          f"pynccl has no DTensor and returns the local tensor, so use_local_output must be True")
