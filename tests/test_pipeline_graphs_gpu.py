@@ -12,7 +12,9 @@ missed or counted twice is 1/4 of the total (4 micro-batches); graphs that share
 between micro-batches in flight (GPipe holds all of them) or a stale input copy would be off as
 much. Also: a stage keeps one captured pair per micro-batch in flight, and what a capture cannot
 serve (other shapes, a parameter whose storage was swapped, a DDP wrapper) raises instead of
-replaying stale graphs.
+replaying stale graphs. And a graphed last stage hands loss_fn, and step() returns, its output in the
+structure the module returned (a 1-tuple, a list), as an eager one: a replay keeps only the tensors,
+and a graphed 1-tuple came back as its bare tensor before session 33 (seen failing on 1xH100).
 
 Graph and eager are pynccl's own code on both sides, so the graphed pipeline is also compared with
 the unwrapped model (the whole HF Llama on one GPU, the whole batch, no pipeline) on the same data:
@@ -189,8 +191,58 @@ def _errors(rank, p):
         PipelineStage(ddp, 0, 1, cuda_graph=True)
 
 
+class _Returning(torch.nn.Module):
+    """Linear + Tanh returning its output bare (container None) or inside container([output])."""
+
+    def __init__(self, container):
+        super().__init__()
+        self.lin, self.container = torch.nn.Linear(16, 16), container
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x))
+        return y if self.container is None else self.container([y])
+
+
+def _first_of(out, target):
+    # Written for a module returning a container: out[0] is the tensor (on a bare tensor: its first row).
+    return torch.nn.functional.mse_loss(out[0], target)
+
+
+def _output_structure(rank, p):
+    """The last stage's output reaches loss_fn and step() in the structure its module returned, graphed
+    as eager: a graph keeps only the tensors, and a graphed 1-tuple used to come back as its tensor (so
+    loss_fn's out[0] read the first row: a different loss, and step() returned a bare tensor)."""
+    device = pynccl.get_device()
+    g = torch.Generator(device=device).manual_seed(3)
+    x, y = (torch.randn(BATCH, 16, device=device, generator=g) for _ in range(2))
+    for container in (tuple, list, None):
+        seen = {}
+        for graphed in (False, True):
+            torch.manual_seed(0)
+            mods = [_Returning(container if k == p - 1 else None).to(device) for k in range(p)]
+            sched = Schedule1F1B(PipelineStage(mods[rank], rank, p, cuda_graph=graphed), MICROBATCHES, _first_of)
+            losses = []
+            if p == 1:
+                out = sched.step(x, target=y, losses=losses)
+            else:
+                out = sched.step(x) if rank == 0 else sched.step(target=y, losses=losses)
+            seen[graphed] = (out, losses, [q.grad for q in mods[rank].parameters()])
+        (out, losses, grads), (g_out, g_losses, g_grads) = seen[False], seen[True]
+        what = f"rank {rank}, last stage returning {getattr(container, '__name__', 'a tensor')}"
+        assert type(g_out) is type(out), f"{what}: graphed step() returned {type(g_out).__name__}, eager {type(out).__name__}"
+        if rank == p - 1:
+            tensors = (out,) if container is None else out
+            g_tensors = (g_out,) if container is None else g_out
+            for a, b in zip(list(g_tensors) + g_losses, list(tensors) + losses):
+                assert a.shape == b.shape and max_rel_diff(a, b) <= REL, f"{what}: output or loss differs"
+        for a, b in zip(g_grads, grads):
+            assert max_rel_diff(a, b) <= GRAD_REL, f"{what}: a gradient differs"
+    return True
+
+
 def _all_cases(rank, p):
     torch.backends.cuda.matmul.allow_tf32 = False       # fp32 GEMMs on both sides (torch's default, pinned)
+    _output_structure(rank, p)
     for cls in (ScheduleGPipe, Schedule1F1B):
         _compare(rank, p, cls, 1, autocast=False)
     _against_unwrapped(rank, p, Schedule1F1B, 1)

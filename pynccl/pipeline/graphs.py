@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .p2p import as_tensor_tuple
+from .p2p import as_tensor_tuple, container_of
 
 
 def _signature(args: Sequence, module: nn.Module) -> tuple:
@@ -105,18 +105,23 @@ class _Slot:
             aliases = {n: p.detach().requires_grad_(True) for n, p in zip(names, params)}
             leaves = list(aliases.values())
 
+            def call():
+                return torch.func.functional_call(module, aliases, tuple(self.static_args))
+
             def run():
-                return as_tensor_tuple(torch.func.functional_call(module, aliases, tuple(self.static_args)))
+                return as_tensor_tuple(call())
             self.tensor_idx = [i for i, a in enumerate(self.static_args) if isinstance(a, torch.Tensor)]
             grad_inputs = [self.static_args[i] for i in self.tensor_idx if self.static_args[i].requires_grad]
             targets = grad_inputs + leaves
             # One eager run first, on the capture stream: lazy initialisation (cuBLAS workspaces,
             # kernel selection) must not happen inside the capture. autograd.grad leaves .grad alone.
-            outs = run()
+            returned = call()
+            self.container = container_of(returned)     # a replay hands back the tensors only
+            outs = as_tensor_tuple(returned)
             diff = [o for o in outs if o.requires_grad]
             if diff and targets:
                 torch.autograd.grad(diff, targets, [torch.zeros_like(o) for o in diff], allow_unused=True)
-            del outs, diff
+            del returned, outs, diff
             with torch.cuda.graph(self.fwd, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 outs = run()
             self.differentiable = [o.requires_grad for o in outs]
@@ -180,6 +185,7 @@ class StageGraphs:
         self.stream = torch.cuda.Stream(device=device)
         self.slots: List[_Slot] = []
         self.signature: Optional[tuple] = None
+        self.container = None       # how the module returned its outputs (p2p.container_of), once captured
         self._by_mb: Dict[int, _Slot] = {}
 
     def __call__(self, mb: int, args: Sequence) -> Tuple[torch.Tensor, ...]:
@@ -199,7 +205,7 @@ class StageGraphs:
                                    f"not synchronise with the host or branch on data in forward or backward; "
                                    f"build the stage with cuda_graph=False to run it eagerly") from e
             self.slots.append(slot)
-            self.signature = sig
+            self.signature, self.container = sig, slot.container
         slot.microbatch = mb
         self._by_mb[mb] = slot
         tensors = [args[i] for i in slot.tensor_idx]

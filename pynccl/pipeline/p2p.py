@@ -40,6 +40,12 @@ def as_tensor_tuple(out) -> tuple:
                     f"got {type(out).__name__}")
 
 
+def container_of(out):
+    """How a stage module returned its outputs: None (a bare tensor), tuple or list; as_returned
+    (stage.py) rebuilds it for loss_fn and step()."""
+    return None if isinstance(out, torch.Tensor) else tuple if isinstance(out, tuple) else list
+
+
 def tensor_meta(tensors: Sequence[torch.Tensor]) -> List[TensorMeta]:
     return [TensorMeta(tuple(t.shape), t.dtype) for t in tensors]
 

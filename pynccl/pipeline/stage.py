@@ -17,7 +17,7 @@ from torch import nn
 from ..comm import distributed as dist
 from ..comm.groups import resolve_group
 from .graphs import StageGraphs
-from .p2p import TensorMeta, as_tensor_tuple, tensor_meta
+from .p2p import TensorMeta, as_tensor_tuple, container_of, tensor_meta
 
 
 def _carries_grad(t: torch.Tensor) -> bool:
@@ -141,13 +141,12 @@ class PipelineStage:
     def forward_one_chunk(self, mb: int, args: Sequence, kwargs: Optional[dict] = None) -> tuple:
         if self.graphs is not None:
             out = self.graphs(mb, args)
-            self._returned = None if len(out) == 1 else tuple   # a graph keeps no container
+            self._returned = self.graphs.container       # what the module returned when captured
         else:
             with _no_sync(self.submodule):
                 returned = self.submodule(*args, **(kwargs or {}))
             out = as_tensor_tuple(returned)
-            self._returned = None if isinstance(returned, torch.Tensor) else \
-                tuple if isinstance(returned, tuple) else list
+            self._returned = container_of(returned)
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
         self._fwd_cache[mb] = (inputs, out)
         if self.is_last:
