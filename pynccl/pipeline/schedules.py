@@ -14,7 +14,7 @@ from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .actions import Action, ActionType, Instruction, PipelineLayout, ScheduleKind, build_program, compute_order
+from .actions import Action, ActionType, Instruction, PipelineLayout, ScheduleKind, build_program
 from .p2p import PipeTransport, tensor_meta
 from .stage import PipelineStage
 
@@ -86,15 +86,14 @@ class _PipelineSchedule:
         self.pp_rank = pp_rank
         self._stages: Dict[int, PipelineStage] = {s.stage_index: s for s in stages}
         self._transport = PipeTransport(group, stages[0].device)
-        order = compute_order(self.kind, pp_rank, pp_size, n_microbatches, v)
         # Single source of truth: the programs the checker simulates (the second for eval() and loss_fn=None).
         self.program: List[Instruction] = build_program(self.kind, pp_rank, pp_size, n_microbatches, v)
         self.forward_program: List[Instruction] = build_program(self.kind, pp_rank, pp_size, n_microbatches, v,
                                                                 forward_only=True)
-        self._last_backward = {}
-        for a in order:
-            if a.type is A.BACKWARD:
-                self._last_backward[a.stage] = a.microbatch
+        self._last_backward = {}       # stage -> its last backward's micro-batch (that one reduces)
+        for instr in self.program:
+            if instr[0].type is A.BACKWARD:
+                self._last_backward[instr[0].stage] = instr[0].microbatch
         self.peak_live_activations = 0
         # Optional: a callable taking the Action and returning a context manager that wraps each
         # forward/backward (benchmarks/pp_bench.py times compute with it; None costs nothing).
